@@ -1,0 +1,214 @@
+"""The engine loop: ``schedule -> execute -> update``, plus request intake and output.
+
+The engine validates requests (a bad one raises :class:`InvalidRequestError` and nothing
+else is touched), owns the clock, appends sampled tokens, decides when a request stops
+(EOS, stop ids, stop strings, ``max_tokens``, the model's length) and hands pages back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hlserve.config import EngineConfig
+from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.scheduler import Scheduler
+from hlserve.errors import InvalidRequestError
+from hlserve.request import (
+    FinishReason,
+    Request,
+    RequestClass,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from hlserve.runner.base import Batch, Runner
+from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("hlserve.engine")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of finished requests
+    generation_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model (recompute included)
+    busy_time: float = 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.clock = clock
+        mc = runner.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._finished: list[Request] = []  # ended outside a step (aborts), reported next step
+        self.stats = EngineStats()
+        self.default_eos = frozenset(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
+
+    # ---- intake -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        request_class: RequestClass | str = RequestClass.AGENT,
+        priority: int = 0,
+    ) -> Request:
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        self._validate(ids, params)
+        req = Request(
+            prompt_token_ids=ids,
+            params=params,
+            request_class=RequestClass(request_class),
+            priority=priority,
+            arrival_time=self.clock(),
+            eos_token_ids=self.default_eos,
+        )
+        if request_id is not None:
+            if request_id in self.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            req.request_id = request_id
+        self.requests[req.request_id] = req
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(req)
+        return req
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.runner.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
+        return ids
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len}, which leaves no room for output"
+            )
+        # the one request that can never fit is the one the whole pool cannot hold
+        peak = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.kv.pages_for(peak) > self.kv.num_pages:
+            raise InvalidRequestError(
+                f"the request needs up to {peak} tokens of KV cache; the pool holds "
+                f"{self.kv.num_pages * self.kv.page_size}"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    # ---- the loop -----------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._finished)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns outputs of requests that got a token or ended."""
+        touched: list[Request] = self._finished
+        self._finished = []
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            self._run(batch, touched)
+        if self.config.check_invariants:
+            self.scheduler.check_invariants()
+        return [RequestOutput.of(r) for r in touched]
+
+    def _run(self, batch: Batch, touched: list[Request]) -> None:
+        now = self.clock()
+        for seq in batch.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        result = self.runner.execute(batch)
+        now = self.clock()
+        self.stats.steps += 1
+        self.stats.computed_tokens += batch.num_tokens
+        self.stats.busy_time += result.elapsed
+        self.scheduler.update(batch)
+        for seq in batch.seqs:
+            if not seq.samples:
+                continue
+            req = seq.request
+            self._append(req, result.tokens[req.request_id], now)
+            touched.append(req)
+
+    def _append(self, req: Request, token: int, now: float) -> None:
+        req.output_token_ids.append(token)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        n_out = len(req.output_token_ids)
+        detok = self._detok.get(req.request_id)
+        delta = ""
+        if detok is not None:
+            delta = detok.add(token)
+            req.output_text = detok.text
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return self._finish(req, FinishReason.STOP)
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return self._finish(req, FinishReason.STOP)
+            if p.stop and detok is not None and self._check_stop_strings(req, detok, delta):
+                return self._finish(req, FinishReason.STOP)
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, FinishReason.LENGTH)
+
+    def _check_stop_strings(self, req: Request, detok: IncrementalDetokenizer, delta: str) -> bool:
+        if not delta:
+            return False
+        text = detok.text
+        longest = max(len(s) for s in req.params.stop)
+        window_start = max(0, len(text) - len(delta) - longest + 1)
+        hits = [(i, s) for s in req.params.stop if (i := text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        req.output_text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
+        req.stop_reason = s
+        return True
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finish_time = self.clock()
+        detok = self._detok.pop(req.request_id, None)
+        if detok is not None and not isinstance(req.stop_reason, str):  # a stop string cut it
+            detok.flush()
+            req.output_text = detok.text
+        self.runner.release(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        self.stats.generation_tokens += len(req.output_token_ids)
+        if reason is FinishReason.ABORT:
+            self._finished.append(req)

@@ -1,0 +1,242 @@
+"""KV page accounting: a pool of fixed-size pages and a radix prefix cache over them.
+
+Every page is in exactly one of three states:
+
+- **free**: on the free list;
+- **in use**: held by at least one live request (a private page, or a tree node with ref > 0);
+- **cached**: a tree node nobody holds (ref == 0), kept for future prefix hits and evictable.
+
+The radix tree is page-granular: each node stands for one full page of tokens and is keyed
+by those tokens under its parent, so a path from the root spells a cached prefix. A request
+holds (references) every node on its path, hence a parent's ref count is never below its
+child's and the unreferenced nodes hang below referenced ones. They sit in one LRU list;
+releases walk leaf to root, so a child always stands before its parent in that list and the
+head of the list is always a leaf: eviction is O(1), no heap, no scan.
+
+Pages stay private to a request until they are full; full pages enter the tree as soon as
+their KV is computed (not only at the end), so concurrent requests with a shared prefix and
+a retracted request coming back both hit them. Physical tensors live in the runner, indexed
+by the page ids handed out here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False, repr=False)
+class Node:
+    page: int
+    key: tuple[int, ...]
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    ref: int = 0
+
+
+@dataclass
+class SeqPages:
+    """Pages of one live request: ``pages[:len(nodes)]`` are tree pages it references."""
+
+    pages: list[int] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be positive")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root = Node(page=-1, key=(), parent=None, ref=1)  # never evicted
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out 0 first
+        self._lru: OrderedDict[Node, None] = OrderedDict()  # unreferenced tree nodes, oldest first
+        self._seqs: dict[str, SeqPages] = {}
+        self.num_tree_nodes = 0
+        # counters for metrics: prefix-cache queries and hits, in tokens (vLLM's meaning)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- cheap queries -------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free - self.num_evictable
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by live requests (vLLM's ``kv_cache_usage_perc``)."""
+        return self.num_used / self.num_pages
+
+    def available(self) -> int:
+        """Pages that an allocation could get now: free plus evictable."""
+        return len(self._free) + len(self._lru)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def page_table(self, req_id: str) -> list[int]:
+        return self._seqs[req_id].pages
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._seqs
+
+    def num_seq_pages(self, req_id: str) -> int:
+        seq = self._seqs.get(req_id)
+        return len(seq.pages) if seq else 0
+
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[Node]:
+        """Tree nodes spelling the longest cached prefix of ``tokens`` (no state change)."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        ps = self.page_size
+        node, out = self.root, []
+        for i in range(limit // ps):
+            child = node.children.get(tuple(tokens[i * ps : (i + 1) * ps]))
+            if child is None:
+                break
+            out.append(child)
+            node = child
+        return out
+
+    # ---- state changes ---------------------------------------------------------------------
+    def admit(self, req_id: str, tokens: list[int], max_cached_tokens: int) -> int:
+        """Start holding pages for a request; returns how many leading tokens are cached.
+
+        ``max_cached_tokens`` is at most ``len(tokens) - 1``: the last token is always
+        computed, because its logits are what the next token is sampled from.
+        """
+        if req_id in self._seqs:
+            raise RuntimeError(f"{req_id} already holds pages")
+        nodes = self.match_prefix(tokens, max_cached_tokens)
+        for node in nodes:
+            self._lock(node)
+        self._seqs[req_id] = SeqPages(pages=[n.page for n in nodes], nodes=list(nodes))
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(nodes) * self.page_size
+        return len(nodes) * self.page_size
+
+    def allocate(self, req_id: str, num_tokens: int) -> bool:
+        """Make the request's pages cover ``num_tokens`` slots; False (and no change) if the
+        pool cannot, even after evicting every cached page."""
+        seq = self._seqs[req_id]
+        need = self.pages_for(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        if need > self.available():
+            return False
+        if need > len(self._free):
+            self.evict(need - len(self._free))
+        seq.pages.extend(self._free.pop() for _ in range(need))
+        return True
+
+    def commit(self, req_id: str, tokens: list[int], num_computed: int) -> None:
+        """Insert the request's full, computed pages into the tree (shareable from now on)."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seqs[req_id]
+        ps = self.page_size
+        full = min(num_computed // ps, len(seq.pages))
+        parent = seq.nodes[-1] if seq.nodes else self.root
+        for i in range(len(seq.nodes), full):
+            key = tuple(tokens[i * ps : (i + 1) * ps])
+            node = parent.children.get(key)
+            if node is None:
+                node = Node(page=seq.pages[i], key=key, parent=parent, ref=1)
+                parent.children[key] = node
+                self.num_tree_nodes += 1
+            else:
+                # Another request computed the same page first: share its copy, free ours.
+                self._free.append(seq.pages[i])
+                seq.pages[i] = node.page
+                self._lock(node)
+            seq.nodes.append(node)
+            parent = node
+
+    def release(self, req_id: str, tokens: list[int] | None = None, num_computed: int = 0) -> None:
+        """Stop holding a request's pages. Computed full pages stay cached (if ``tokens`` is
+        given); the rest go back to the free list."""
+        if tokens is not None:
+            self.commit(req_id, tokens, num_computed)
+        seq = self._seqs.pop(req_id)
+        for node in reversed(seq.nodes):  # leaf first: keeps children ahead of parents in LRU
+            node.ref -= 1
+            if node.ref == 0:
+                self._lru[node] = None
+        self._free.extend(seq.pages[len(seq.nodes) :])
+
+    def evict(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` least recently used unreferenced leaves."""
+        evicted = 0
+        while evicted < num_pages and self._lru:
+            node, _ = self._lru.popitem(last=False)
+            assert not node.children, "LRU head must be a leaf"
+            assert node.parent is not None
+            del node.parent.children[node.key]
+            self._free.append(node.page)
+            self.num_tree_nodes -= 1
+            evicted += 1
+        return evicted
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached page; returns how many were freed."""
+        return self.evict(len(self._lru))
+
+    def _lock(self, node: Node) -> None:
+        if node.ref == 0:
+            del self._lru[node]
+        node.ref += 1
+
+    # ---- checking ----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Every page is in exactly one place; ref counts equal the holders. Raises if not."""
+        seen: dict[int, str] = {}
+
+        def claim(page: int, where: str) -> None:
+            if page in seen:
+                raise AssertionError(f"page {page} is both {seen[page]} and {where}")
+            seen[page] = where
+
+        for p in self._free:
+            claim(p, "free")
+        refs: dict[int, int] = {}
+        stack = list(self.root.children.values())
+        n_nodes = 0
+        while stack:
+            node = stack.pop()
+            n_nodes += 1
+            claim(node.page, "tree")
+            refs[id(node)] = 0
+            stack.extend(node.children.values())
+            if node.ref < 0:
+                raise AssertionError(f"node of page {node.page} has ref {node.ref}")
+            if (node.ref == 0) != (node in self._lru):
+                raise AssertionError(f"node of page {node.page}: ref {node.ref} vs LRU membership")
+        if n_nodes != self.num_tree_nodes:
+            raise AssertionError(f"tree has {n_nodes} nodes, counter says {self.num_tree_nodes}")
+        for rid, seq in self._seqs.items():
+            for node in seq.nodes:
+                refs[id(node)] = refs.get(id(node), 0) + 1
+            for i, page in enumerate(seq.pages[len(seq.nodes) :]):
+                claim(page, f"private to {rid} (#{i})")
+            if [n.page for n in seq.nodes] != seq.pages[: len(seq.nodes)]:
+                raise AssertionError(f"{rid}: page table disagrees with its tree path")
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if refs[id(node)] != node.ref:
+                raise AssertionError(f"node of page {node.page}: ref {node.ref}, holders {refs[id(node)]}")
+        if len(seen) != self.num_pages:
+            raise AssertionError(f"{self.num_pages - len(seen)} pages are lost")
+        if self.num_used + self.num_free + self.num_evictable != self.num_pages:
+            raise AssertionError("used + free + cached != pool")

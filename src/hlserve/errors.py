@@ -1,0 +1,20 @@
+"""Errors that callers are meant to catch: each names the problem in words a user can act on."""
+
+
+class HLServeError(Exception):
+    """Base of every error hlserve raises on purpose."""
+
+
+class ModelLoadError(HLServeError):
+    """The model directory is missing, is not a model, or holds something we cannot run."""
+
+
+class InvalidRequestError(HLServeError, ValueError):
+    """A request that can never be served as asked (empty prompt, too long, bad parameters).
+
+    The server maps it to HTTP 400; the engine rejects the request and keeps serving the rest.
+    """
+
+
+class EngineDeadError(HLServeError):
+    """The engine loop stopped on an internal error; no request can be served any more."""

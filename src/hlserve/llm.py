@@ -1,0 +1,98 @@
+"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from hlserve.config import EngineConfig
+from hlserve.engine.engine import Engine
+from hlserve.errors import InvalidRequestError
+from hlserve.request import RequestOutput, SamplingParams
+from hlserve.runner.torch_runner import TorchRunner
+from hlserve.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+def build_engine(model: str, **engine_options: Any) -> Engine:
+    unknown = set(engine_options) - EngineConfig.field_names()
+    if unknown:
+        raise TypeError(
+            f"unknown engine option(s) {sorted(unknown)}; known: {sorted(EngineConfig.field_names())}"
+        )
+    config = EngineConfig(model=str(model), **engine_options)
+    runner = TorchRunner(config)
+    return Engine(config, runner, Tokenizer.from_dir(model))
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine = build_engine(model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in prompt order.
+
+        Every prompt is checked before any is submitted: a bad one raises
+        :class:`InvalidRequestError` naming its index, and the engine stays usable.
+        """
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+            try:
+                self.engine._validate(self.engine._prompt_ids(prompt), p)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}") from None
+        reqs = [self.engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+        order = {r.request_id: i for i, r in enumerate(reqs)}
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2)
+        with bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+    ) -> RequestOutput:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.generate([ids], sampling_params, use_tqdm=False)[0]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one token-id prompt
+    return items
+
+
+def _as_params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    return params

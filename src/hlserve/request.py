@@ -1,0 +1,189 @@
+"""Requests, their sampling parameters and their outputs: the vocabulary every layer shares."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from hlserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings, named as in vLLM and the OpenAI API."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's length limit
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # rejected; the message says why
+
+
+class RequestClass(str, enum.Enum):
+    """Who waits on a request: a person (latency caps apply) or a program (throughput)."""
+
+    INTERACTIVE = "interactive"
+    AGENT = "agent"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state of one request.
+
+    ``num_computed`` counts tokens of ``all_token_ids`` whose KV is in the cache. A request
+    needs a forward over ``all_token_ids[num_computed:]``; once that covers every token but
+    none is left, it samples. A retracted request keeps its output tokens: on re-admission
+    they are prefilled again together with the prompt (recompute, as vLLM and SGLang do).
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_class: RequestClass = RequestClass.AGENT
+    priority: int = 0  # lower value = served first (vLLM's convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # timeline, in the engine clock's seconds
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    # text state, owned by the output processor
+    output_text: str = ""
+    stop_reason: str | int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token is still uncomputed (a prompt, or a retracted request)."""
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What a caller gets back: final or, when streaming, cumulative so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, req: Request) -> RequestOutput:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=req.output_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason,
+            error=req.error,
+            num_cached_tokens=req.num_cached_prompt,
+            metrics={
+                "arrival_time": req.arrival_time,
+                "first_scheduled_time": req.first_scheduled_time,
+                "first_token_time": req.first_token_time,
+                "finish_time": req.finish_time,
+            },
+        )

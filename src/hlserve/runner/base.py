@@ -1,0 +1,72 @@
+"""The seam between the scheduler and whatever executes a batch (real model or cost model)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from hlserve.models.config import ModelConfig
+from hlserve.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of an iteration: tokens ``[start, start + num_tokens)``."""
+
+    request: Request
+    start: int  # == request.num_computed when scheduled
+    num_tokens: int
+    page_table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0
+
+
+@dataclass
+class Batch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs if not s.is_decode)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class StepResult:
+    """Sampled token per request that reached its last token, and the step's duration."""
+
+    tokens: dict[str, int]
+    elapsed: float
+
+
+class Runner(abc.ABC):
+    model_config: ModelConfig
+    num_pages: int
+    page_size: int
+
+    @abc.abstractmethod
+    def execute(self, batch: Batch) -> StepResult: ...
+
+    def release(self, request_id: str) -> None:  # noqa: B027 (optional hook)
+        """Forget per-request state (e.g. a sampling generator) once a request ends."""

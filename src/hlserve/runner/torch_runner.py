@@ -1,0 +1,172 @@
+"""The real runner: a PyTorch forward over a flattened batch, paged KV, and sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from hlserve.config import EngineConfig
+from hlserve.models.attention import AttentionMetadata, PrefillSegment
+from hlserve.models.config import ModelConfig
+from hlserve.models.loader import load_model, resolve_dtype
+from hlserve.request import Request
+from hlserve.runner.base import Batch, Runner, ScheduledSeq, StepResult
+
+log = logging.getLogger("hlserve.runner")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TorchRunner(Runner):
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        mc = ModelConfig.from_dir(config.model)
+        self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.page_size = config.page_size
+        per_token = mc.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
+        self.num_pages = config.num_pages or max(
+            1, int(config.kv_cache_gb * 2**30) // (per_token * self.page_size)
+        )
+        slots = self.num_pages * self.page_size
+        shape = (slots, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+        log.info(
+            "loaded %s (%s, %.1fM params) on %s; KV pool %d pages x %d tokens (%.2f GiB)",
+            mc.architecture, self.dtype, mc.num_parameters() / 1e6, self.device,
+            self.num_pages, self.page_size, slots * per_token / 2**30,
+        )
+
+    # ---- batch -> tensors ----------------------------------------------------------------
+    def _slots(self, page_table: list[int], start: int, end: int) -> torch.Tensor:
+        ps = self.page_size
+        pos = torch.arange(start, end)
+        pages = torch.tensor(page_table, dtype=torch.long)
+        return pages[pos // ps] * ps + pos % ps
+
+    def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        prefills: list[PrefillSegment] = []
+        decodes: list[tuple[int, ScheduledSeq]] = []
+        for seq in batch.seqs:
+            t0 = len(ids)
+            ids.extend(seq.request.tokens(seq.start, seq.end))
+            positions.append(torch.arange(seq.start, seq.end))
+            slot_mapping.append(self._slots(seq.page_table, seq.start, seq.end))
+            if seq.is_decode:
+                decodes.append((t0, seq))
+            else:
+                ctx_slots = self._slots(seq.page_table, 0, seq.end) if seq.start > 0 else None
+                if ctx_slots is not None:
+                    ctx_slots = ctx_slots.to(self.device)
+                prefills.append(PrefillSegment(t0, len(ids), seq.start, ctx_slots))
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping).to(self.device),
+            prefills=prefills, decode_index=None, decode_slots=None, decode_mask=None,
+        )
+        if decodes:
+            ps = self.page_size
+            lens = torch.tensor([s.end for _, s in decodes])
+            lmax = int(lens.max())
+            npages = -(-lmax // ps)
+            table = torch.zeros(len(decodes), npages, dtype=torch.long)
+            for i, (_, s) in enumerate(decodes):
+                pt = s.page_table[:npages]
+                table[i, : len(pt)] = torch.tensor(pt, dtype=torch.long)
+            pos = torch.arange(lmax)
+            meta.decode_slots = (table[:, pos // ps] * ps + pos % ps).to(self.device)
+            meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :].to(self.device)
+            meta.decode_index = torch.tensor([t for t, _ in decodes], device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return input_ids, torch.cat(positions).to(self.device), meta
+
+    # ---- execute ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> StepResult:
+        t0 = time.perf_counter()
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows, reqs, end = [], [], 0
+        for seq in batch.seqs:
+            end += seq.num_tokens
+            if seq.samples:
+                rows.append(end - 1)
+                reqs.append(seq.request)
+        tokens: dict[str, int] = {}
+        if rows:
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            sampled = self.sample(logits, reqs).tolist()
+            tokens = {r.request_id: t for r, t in zip(reqs, sampled, strict=True)}
+        return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Greedy at temperature 0, else temperature / top-k / top-p sampling; EOS and stop
+        ids are masked until ``min_tokens`` is reached (as vLLM and transformers do)."""
+        for i, r in enumerate(reqs):
+            p = r.params
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                if banned:
+                    logits[i, [b for b in banned if b < logits.shape[1]]] = -float("inf")
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not random_rows:
+            return greedy
+        idx = torch.tensor(random_rows, device=logits.device)
+        sub = logits[idx]
+        params = [reqs[i].params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        sub = sub / temps.unsqueeze(1)
+        top_k = [p.top_k if p.top_k > 0 else sub.shape[1] for p in params]
+        top_p = [p.top_p for p in params]
+        if min(top_k) < sub.shape[1] or min(top_p) < 1.0:
+            sub = _apply_top_k_top_p(sub, top_k, top_p)
+        probs = torch.softmax(sub, dim=-1)
+        # exponential race: argmax(p / E) with E ~ Exp(1) is a sample from p; each seeded
+        # request draws its noise from its own generator, so its output is reproducible
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=self._generator_for(reqs[i]))
+        greedy[idx] = (probs / noise).argmax(dim=-1)
+        return greedy
+
+    def _generator_for(self, req: Request) -> torch.Generator:
+        if req.params.seed is None:
+            return self._generator
+        g = self._request_generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(req.params.seed)
+            self._request_generators[req.request_id] = g
+        return g
+
+    def release(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, -float("inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill((before >= p) & (rank > 0), -float("inf"))
+    return torch.full_like(logits, -float("inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,121 @@
+"""Tokenizer of a Hugging Face model directory, without transformers.
+
+``tokenizer.json`` is read by the ``tokenizers`` library; the chat template and special tokens
+come from ``tokenizer_config.json`` and the EOS ids also from ``generation_config.json``, as
+transformers would read them. Text is streamed back through an incremental detokenizer that
+never emits half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from hlserve.errors import InvalidRequestError, ModelLoadError
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        return value.get("content")
+    return value
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, config: dict[str, Any], generation: dict[str, Any]) -> None:
+        self._tok = tok
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        eos: set[int] = set()
+        if self.eos_token is not None and (i := tok.token_to_id(self.eos_token)) is not None:
+            eos.add(i)
+        gen_eos = generation.get("eos_token_id")
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.globals["raise_exception"] = _raise
+        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+        """The directory's tokenizer, or None when it ships none (token-id prompts only)."""
+        path = Path(model_dir)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            return None
+        try:
+            tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the library raises a bare Exception on a corrupt file
+            raise ModelLoadError(f"{tok_file} could not be read: {e}") from None
+
+        def read(name: str) -> dict[str, Any]:
+            f = path / name
+            return json.loads(f.read_text()) if f.is_file() else {}
+
+        return cls(tok, read("tokenizer_config.json"), read("generation_config.json"))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use the completions API")
+        try:
+            template = self._env.from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except TemplateError as e:
+            raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding token by token breaks multi-byte characters and merges that span tokens, so each
+    step decodes a short window (from ``prefix`` on) and emits only what is new and complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        done = self.tok.decode(self.ids[self.prefix : self.read])
+        now = self.tok.decode(self.ids[self.prefix :])
+        if len(now) > len(done) and (final or not now.endswith("\ufffd")):
+            delta = now[len(done) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
