@@ -13,6 +13,7 @@ from hlserve.models.config import ModelConfig
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.request import Request
 from hlserve.runner.base import Batch, Runner, ScheduledSeq, StepResult
+from hlserve.runner.cpu_alloc import keep_freed_memory
 
 log = logging.getLogger("hlserve.runner")
 
@@ -26,6 +27,8 @@ def resolve_device(name: str) -> torch.device:
 class TorchRunner(Runner):
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         mc = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)

@@ -1,0 +1,116 @@
+"""In-process closed-loop driver: runs agent sessions on an :class:`Engine` and times them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from hlserve.bench.workloads import AgentWorkload
+from hlserve.engine.engine import Engine
+from hlserve.request import RequestOutput, SamplingParams
+
+
+@dataclass
+class RequestRecord:
+    session_id: int
+    round: int
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    arrival: float
+    first_token: float
+    finish: float
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (n - 1), vLLM's definition; None for one-token outputs."""
+        n = self.output_tokens
+        return (self.finish - self.first_token) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    duration: float
+    session_times: list[float]
+
+    def summary(self) -> dict[str, float]:
+        n_in = sum(r.prompt_tokens for r in self.records)
+        n_out = sum(r.output_tokens for r in self.records)
+        ttft = [r.ttft for r in self.records]
+        tpot = [t for r in self.records if (t := r.tpot) is not None]
+        return {
+            "duration": self.duration,
+            "completed": len(self.records),
+            "total_input_tokens": n_in,
+            "total_output_tokens": n_out,
+            "cached_tokens": sum(r.cached_tokens for r in self.records),
+            "output_throughput": n_out / self.duration,
+            "total_token_throughput": (n_in + n_out) / self.duration,
+            "median_ttft_ms": 1e3 * percentile(ttft, 50),
+            "p99_ttft_ms": 1e3 * percentile(ttft, 99),
+            "median_tpot_ms": 1e3 * percentile(tpot, 50),
+            "p99_tpot_ms": 1e3 * percentile(tpot, 99),
+            "median_session_time_s": percentile(self.session_times, 50),
+            "p99_session_time_s": percentile(self.session_times, 99),
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default, as vLLM's benchmark uses)."""
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_agent_sessions(engine: Engine, workload: AgentWorkload, progress: bool = True) -> RunResult:
+    """Closed loop: every session has one request in flight; its next round is submitted
+    in the same iteration that its last one finishes."""
+    sessions = workload.sessions_list()
+    inflight: dict[str, tuple[int, int]] = {}  # request id -> (session index, round)
+    start = engine.clock()
+    session_start = {i: start for i in range(len(sessions))}
+    session_times: list[float] = []
+    records: list[RequestRecord] = []
+
+    def submit(i: int) -> None:
+        prompt, out_len = sessions[i].next_request()
+        params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+        req = engine.add_request(prompt, params)
+        inflight[req.request_id] = (i, sessions[i].round)
+
+    for i in range(len(sessions)):
+        submit(i)
+    total = workload.sessions * workload.rounds
+    with tqdm(total=total, desc="agent rounds", unit="req", disable=not progress) as bar:
+        while inflight:
+            for out in engine.step():
+                if out.finished and out.request_id in inflight:
+                    i, rnd = inflight.pop(out.request_id)
+                    records.append(_record(out, i, rnd))
+                    bar.update(1)
+                    sessions[i].complete(out.token_ids)
+                    if sessions[i].done:
+                        session_times.append(engine.clock() - session_start[i])
+                    else:
+                        submit(i)
+    return RunResult(records=records, duration=engine.clock() - start, session_times=session_times)
+
+
+def _record(out: RequestOutput, session: int, rnd: int) -> RequestRecord:
+    m = out.metrics
+    arrival = m["arrival_time"] or 0.0
+    return RequestRecord(
+        session_id=session, round=rnd, prompt_tokens=len(out.prompt_token_ids),
+        output_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
+        arrival=arrival, first_token=m["first_token_time"] or arrival,
+        finish=m["finish_time"] or arrival,
+    )

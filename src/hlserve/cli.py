@@ -1,0 +1,158 @@
+"""``hlserve`` command line: tiny-model, generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hlserve.config import MIXING, ORDERS, RETRACTIONS, EngineConfig
+from hlserve.errors import HLServeError
+
+DEFAULT_MODEL_HOME = Path(os.environ.get("HLSERVE_HOME", Path.home() / ".cache" / "hlserve"))
+
+# engine option -> (flag, help); vLLM's flag names where vLLM has the same knob
+ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
+    "dtype": (["--dtype"], "auto | float32 | bfloat16 | float16"),
+    "device": (["--device"], "auto | cpu | cuda | cuda:N"),
+    "seed": (["--seed"], "seed of the sampler for requests without their own seed"),
+    "page_size": (["--page-size", "--block-size"], "tokens per KV page"),
+    "num_pages": (["--num-pages", "--num-gpu-blocks-override"], "KV pool size in pages"),
+    "kv_cache_gb": (["--kv-cache-gb"], "KV pool size in GiB (when --num-pages is unset)"),
+    "max_model_len": (["--max-model-len"], "longest sequence (prompt + output)"),
+    "max_num_seqs": (["--max-num-seqs"], "running-request limit"),
+    "chunk_size": (["--chunk-size"], "prefill chunk size (unset: unchunked)"),
+    "token_budget": (
+        ["--token-budget", "--max-num-batched-tokens"], "tokens per iteration (unset: unlimited)"
+    ),
+    "mixing": (["--mixing"], " | ".join(MIXING)),
+    "order": (["--order"], " | ".join(ORDERS)),
+    "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name, (flags, help_text) in ENGINE_FLAGS.items():
+        default = fields[name].default
+        kind = {"int": int, "float": float, "str": str}.get(type(default).__name__, int)
+        if name in ("dtype", "device", "mixing", "order", "retraction"):
+            kind = str
+        group.add_argument(*flags, dest=name, type=kind, default=None,
+                           help=f"{help_text} (default: {default})")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", default=None, help="turn the radix prefix cache off")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    names = [*ENGINE_FLAGS, "enable_prefix_caching"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> None:
+    from hlserve.models.tiny import make_tiny_model
+
+    t0 = time.perf_counter()
+    out = make_tiny_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed,
+                          dtype=args.dtype)
+    print(f"wrote a random {args.arch} model ({args.size}, {args.dtype}) to {out} "
+          f"in {time.perf_counter() - t0:.1f}s")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from hlserve.llm import LLM
+    from hlserve.request import SamplingParams
+
+    llm = LLM(args.model, **engine_options(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
+    for prompt in args.prompt:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        print(f"--- prompt: {prompt!r}\n{out.text}\n--- {len(out.token_ids)} tokens, "
+              f"finish_reason={out.finish_reason}")
+
+
+def default_model(size: str = "tiny") -> Path:
+    """The embedded default model, built on first use (random weights, no download)."""
+    from hlserve.models.tiny import make_tiny_model
+
+    path = DEFAULT_MODEL_HOME / "models" / f"qwen2-{size}"
+    if not (path / "config.json").exists():
+        print(f"building the embedded default model at {path} ...", flush=True)
+        make_tiny_model(path, arch="qwen2", size=size, seed=0)
+    return path
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Closed-loop agent sessions on the default model: throughput, latency, cache reuse."""
+    from hlserve.bench.driver import run_agent_sessions
+    from hlserve.bench.workloads import AgentWorkload
+    from hlserve.llm import build_engine
+
+    model = args.model or str(default_model())
+    engine = build_engine(model, **engine_options(args))
+    workload = AgentWorkload(sessions=args.sessions, rounds=args.rounds)
+    s = run_agent_sessions(engine, workload).summary()
+    print(f"model: {model}")
+    print(f"{args.sessions} sessions x {args.rounds} rounds: {s['total_input_tokens']} prompt "
+          f"tokens ({s['cached_tokens']} from the prefix cache), {s['total_output_tokens']} "
+          f"output tokens in {s['duration']:.1f}s")
+    print(f"total token throughput {s['total_token_throughput']:.0f} tok/s, output "
+          f"{s['output_throughput']:.0f} tok/s; TTFT p50/p99 {s['median_ttft_ms']:.0f}/"
+          f"{s['p99_ttft_ms']:.0f} ms, TPOT p50/p99 {s['median_tpot_ms']:.0f}/"
+          f"{s['p99_tpot_ms']:.0f} ms; session time p50 {s['median_session_time_s']:.1f}s; "
+          f"{engine.scheduler.num_retractions} retractions")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hlserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny-model", help="write a random-weight model in Hugging Face format")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--arch", default="qwen2", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "0.5b"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("generate", help="generate from a model directory, for a quick look")
+    p.add_argument("model")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="agent-shaped batch on the embedded default model")
+    p.add_argument("--model", default=None, help="model directory (default: embedded model)")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=4)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args.func(args)
+    except (HLServeError, ValueError, TypeError) as e:
+        print(f"hlserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
