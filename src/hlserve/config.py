@@ -6,9 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-MIXING = ("always", "prefill_first")
-ORDERS = ("fcfs",)
-RETRACTIONS = ("fewest_generated", "lifo")
+MIXING = ("always", "prefill_first", "two_stage")
+ORDERS = ("fcfs", "lpm", "priority")
+RETRACTIONS = ("fewest_generated", "lifo", "priority")
+ADMISSIONS = ("chunk", "reserve", "abort_guard", "backpressure")
+BUDGET_CONTROLLERS = ("fixed", "ratchet", "ema")
+REQUEST_CLASSES = ("agent", "interactive")
 
 
 @dataclass(frozen=True)
@@ -24,13 +27,33 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256  # running-request limit
     enable_prefix_caching: bool = True
+    max_prefill_tokens: int | None = None  # prefill tokens per iteration (SGLang's cap)
     # latency caps
     chunk_size: int | None = None  # None: a prompt is prefilled in one pass
     token_budget: int | None = None  # tokens per iteration (vLLM's max_num_batched_tokens)
+    prefill_delay: int | None = None  # admit new prefill at most every N iterations while decoding
+    max_chunked_prefills: int | None = None  # requests mid-chunk at once (SGLang: 1)
     # policies
+    budget_controller: str = "fixed"
     mixing: str = "always"
     order: str = "fcfs"
+    admission: str = "chunk"
     retraction: str = "fewest_generated"
+    # policy parameters
+    lpm_fcfs_fallback: int | None = None  # LPM becomes FCFS above this many waiting (SGLang: 128)
+    lpm_aging: float = 0.0  # tokens of "virtual prefix" a request earns per iteration it waits
+    two_stage_high: float = 0.90  # KV use that (with pending prefill > evictable) enters decode-only
+    two_stage_low: float = 0.70  # KV use below which mixing resumes
+    ema_alpha: float = 0.1
+    budget_warmup: int = 10  # iterations the budget controllers ignore at start
+    budget_min: int = 256  # the EMA controller's floor
+    budget_max: int | None = None  # its ceiling (None: the KV pool), independent of the start
+    # request classes: latency caps applied only where an interactive request would feel them
+    default_request_class: str = "agent"
+    interactive_chunk_size: int | None = 512
+    interactive_token_budget: int | None = 2048
+    # which preset filled the knobs in (for the start-up log)
+    preset: str | None = None
     # checking: verify KV accounting after every step (tests turn this on)
     check_invariants: bool = False
 
@@ -38,13 +61,23 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("chunk_size", "token_budget", "num_pages", "max_model_len"):
+        for name in ("chunk_size", "token_budget", "num_pages", "max_model_len", "prefill_delay",
+                     "max_prefill_tokens", "max_chunked_prefills", "lpm_fcfs_fallback",
+                     "budget_max", "interactive_chunk_size", "interactive_token_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")
-        for name, allowed in (("mixing", MIXING), ("order", ORDERS), ("retraction", RETRACTIONS)):
+        for name, allowed in (
+            ("mixing", MIXING), ("order", ORDERS), ("retraction", RETRACTIONS),
+            ("admission", ADMISSIONS), ("budget_controller", BUDGET_CONTROLLERS),
+            ("default_request_class", REQUEST_CLASSES),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0 < self.two_stage_low < self.two_stage_high <= 1:
+            raise ValueError("need 0 < two_stage_low < two_stage_high <= 1")
+        if not 0 < self.ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
 

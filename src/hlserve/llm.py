@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
+from hlserve.engine.presets import resolve_options
 from hlserve.errors import InvalidRequestError
 from hlserve.request import RequestOutput, SamplingParams
 from hlserve.runner.torch_runner import TorchRunner
@@ -17,13 +18,17 @@ from hlserve.tokenizer import Tokenizer
 Prompt = str | Sequence[int]
 
 
-def build_engine(model: str, **engine_options: Any) -> Engine:
-    unknown = set(engine_options) - EngineConfig.field_names()
+def make_config(model: str, **engine_options: Any) -> EngineConfig:
+    """Engine options (``mode`` / ``preset`` expanded, explicit knobs winning) as a config."""
+    known = EngineConfig.field_names() | {"mode", "preset"}
+    unknown = set(engine_options) - known
     if unknown:
-        raise TypeError(
-            f"unknown engine option(s) {sorted(unknown)}; known: {sorted(EngineConfig.field_names())}"
-        )
-    config = EngineConfig(model=str(model), **engine_options)
+        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(known)}")
+    return EngineConfig(model=str(model), **resolve_options(engine_options))
+
+
+def build_engine(model: str, **engine_options: Any) -> Engine:
+    config = make_config(model, **engine_options)
     runner = TorchRunner(config)
     return Engine(config, runner, Tokenizer.from_dir(model))
 

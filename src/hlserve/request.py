@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,32 +27,61 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Reject anything the runner could not sample with: a bad value caught here is one
+        rejected request; the same value reaching a batch would fail the whole step."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as in vLLM: a temperature this small is greedy; dividing logits by it would overflow
+        return self.temperature < _SAMPLING_EPS
+
+
+_SAMPLING_EPS = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _as_tuple(value: object, name: str, kind: type) -> tuple:
+    """``None`` -> (), a single value -> a 1-tuple, any other iterable -> a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, kind)) and not isinstance(value, bool):
+        return (value,)
+    try:
+        return tuple(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be a list, got {value!r}") from None
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +105,7 @@ class RequestClass(str, enum.Enum):
 
 
 _ids = itertools.count()
+_seqs = itertools.count()
 
 
 @dataclass(eq=False)
@@ -90,6 +121,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    seq: int = field(default_factory=lambda: next(_seqs))  # creation order: a total tie-break
     request_class: RequestClass = RequestClass.AGENT
     priority: int = 0  # lower value = served first (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hlserve.config import EngineConfig
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.presets import describe_caps
 from hlserve.engine.scheduler import Scheduler
 from hlserve.errors import InvalidRequestError
 from hlserve.request import (
@@ -28,6 +29,19 @@ from hlserve.runner.base import Batch, Runner
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
+
+
+class VirtualClock:
+    """Simulated time: advanced by each step's predicted duration instead of the wall."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
 
 
 @dataclass
@@ -55,6 +69,12 @@ class Engine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
+        self._advance = getattr(clock, "advance", None)
+        self.caps_report = describe_caps(
+            config, self.kv.num_pages, self.kv.page_size, self.max_model_len,
+            self.scheduler.budget_controller.budget,
+        )
+        log.info("%s", self.caps_report)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished: list[Request] = []  # ended outside a step (aborts), reported next step
@@ -67,7 +87,7 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        request_class: RequestClass | str = RequestClass.AGENT,
+        request_class: RequestClass | str | None = None,
         priority: int = 0,
     ) -> Request:
         params = params or SamplingParams()
@@ -76,7 +96,7 @@ class Engine:
         req = Request(
             prompt_token_ids=ids,
             params=params,
-            request_class=RequestClass(request_class),
+            request_class=RequestClass(request_class or self.config.default_request_class),
             priority=priority,
             arrival_time=self.clock(),
             eos_token_ids=self.default_eos,
@@ -99,13 +119,20 @@ class Engine:
         ids = list(prompt)
         vocab = self.runner.model_config.vocab_size
         for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise InvalidRequestError(f"a prompt is a string or a list of int token ids; got {t!r}")
+            if not 0 <= t < vocab:
                 raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
         return ids
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: a frozen dataclass can still be changed behind its back
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's maximum context length is "
@@ -135,6 +162,11 @@ class Engine:
         touched: list[Request] = self._finished
         self._finished = []
         batch = self.scheduler.schedule()
+        for req in self.scheduler.rejected:
+            self._finish(req, FinishReason.ABORT, error=(
+                f"rejected by admission ({self.config.admission}): its projected length "
+                f"({req.max_total_tokens} tokens) exceeds the KV headroom now"))
+        self.scheduler.rejected.clear()
         if batch.seqs:
             self._run(batch, touched)
         if self.config.check_invariants:
@@ -147,6 +179,9 @@ class Engine:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
         result = self.runner.execute(batch)
+        if self._advance is not None:
+            self._advance(result.elapsed)
+        self.scheduler.observe(batch, result.elapsed)
         now = self.clock()
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
@@ -180,7 +215,12 @@ class Engine:
             if p.stop and detok is not None and self._check_stop_strings(req, detok, delta):
                 return self._finish(req, FinishReason.STOP)
         if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            self._finish(req, FinishReason.LENGTH)
+            return self._finish(req, FinishReason.LENGTH)
+        if detok is not None and p.stop and not p.include_stop_str_in_output:
+            # hold back what could be the start of a stop string: if it completes, the text
+            # is cut before it, and streamed text must never be taken back
+            hold = max(len(s) for s in p.stop) - 1
+            req.output_text = detok.text[: max(0, len(detok.text) - hold)]
 
     def _check_stop_strings(self, req: Request, detok: IncrementalDetokenizer, delta: str) -> bool:
         if not delta:

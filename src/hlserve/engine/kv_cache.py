@@ -32,6 +32,7 @@ class Node:
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     ref: int = 0
+    evicted: bool = False  # out of the tree; ``parent`` is kept so matchers can climb back
 
 
 @dataclass
@@ -182,6 +183,7 @@ class KVCacheManager:
             assert not node.children, "LRU head must be a leaf"
             assert node.parent is not None
             del node.parent.children[node.key]
+            node.evicted = True
             self._free.append(node.page)
             self.num_tree_nodes -= 1
             evicted += 1

@@ -1,50 +1,241 @@
 """Scheduler policies: small objects the scheduler composes, one per knob of DESIGN.md.
 
-Each knob is an abstract base with one method; the scheduler asks, the policy answers, and
-neither knows about tensors or clocks. New policies (throughput mode, presets) plug in here
-without touching the scheduling pass.
+Each knob is an abstract base with one or two methods; the scheduler asks, the policy
+answers, and none of them knows about tensors or clocks. Presets (``presets.py``) pick one
+of each.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+from hlserve.config import EngineConfig
+from hlserve.engine.kv_cache import KVCacheManager, Node
 from hlserve.request import Request
+
+# ---- order of the waiting queue -------------------------------------------------------------
 
 
 class OrderPolicy(abc.ABC):
-    """Order of the waiting queue, i.e. who is considered for admission first."""
+    """Who is considered for admission first. Returns an iterator so that a pass that
+    admits k of n waiting requests need not order all n."""
 
     @abc.abstractmethod
-    def order(self, waiting: list[Request]) -> list[Request]: ...
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]: ...
+
+    def forget(self, req: Request) -> None:  # noqa: B027 (optional hook)
+        """The request left the queue (admitted or ended)."""
 
 
 class FCFS(OrderPolicy):
-    def order(self, waiting: list[Request]) -> list[Request]:
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
         # a retracted request keeps its arrival time, so it goes back near the front
-        return sorted(waiting, key=lambda r: r.arrival_time)
+        return iter(sorted(waiting, key=lambda r: r.arrival_time))
+
+
+class PriorityOrder(OrderPolicy):
+    """vLLM's priority scheduling: lower ``priority`` value first, then arrival."""
+
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        return iter(sorted(waiting, key=lambda r: (r.priority, r.arrival_time)))
+
+
+@dataclass
+class _Match:
+    keys: list[tuple[int, ...]]  # the request's tokens cut into pages
+    num_tokens: int  # request length when keys were cut (grows after a retraction)
+    node: Node  # deepest tree node matched so far
+    depth: int  # pages matched
+    since: int  # step it (re)entered the queue
+
+
+class LongestPrefixMatch(OrderPolicy):
+    """Longest cached prefix first, with aging so that a cold request is not starved.
+
+    The common implementation walks the radix tree from the root for every waiting request
+    on every pass, which is why it falls back to FCFS above 128 waiting requests. Here each
+    waiting request remembers the deepest node it matched: the next pass resumes from there
+    (climbing past evicted nodes, descending into new children), so a pass costs O(1) per
+    request when the tree changed little, and stays cheap at thousands waiting.
+
+    Score = cached tokens + ``aging`` x iterations waited; ties go to the earlier arrival.
+    """
+
+    def __init__(self, kv: KVCacheManager, aging: float, fcfs_fallback: int | None) -> None:
+        self.kv = kv
+        self.aging = aging
+        self.fcfs_fallback = fcfs_fallback
+        self._state: dict[str, _Match] = {}
+
+    def cached_tokens(self, req: Request, step: int) -> int:
+        ps = self.kv.page_size
+        st = self._state.get(req.request_id)
+        if st is None or st.num_tokens != req.num_tokens:
+            tokens = req.all_token_ids
+            keys = [tuple(tokens[i * ps : (i + 1) * ps]) for i in range(len(tokens) // ps)]
+            since = st.since if st is not None else step
+            st = _Match(keys, req.num_tokens, self.kv.root, 0, since)
+            self._state[req.request_id] = st
+        node, depth = st.node, st.depth
+        while node.evicted:
+            node, depth = node.parent, depth - 1  # type: ignore[assignment]
+        # the last token is always recomputed, so never count a page that ends the request
+        limit = min(len(st.keys), (req.num_tokens - 1) // ps)
+        while depth < limit and (child := node.children.get(st.keys[depth])) is not None:
+            node, depth = child, depth + 1
+        st.node, st.depth = node, depth
+        return depth * ps
+
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        if self.fcfs_fallback is not None and len(waiting) > self.fcfs_fallback:
+            return FCFS().order(waiting, step)
+        heap = []
+        for i, r in enumerate(waiting):
+            cached = self.cached_tokens(r, step)
+            score = cached + self.aging * (step - self._state[r.request_id].since)
+            heap.append((-score, r.arrival_time, i))
+        heapq.heapify(heap)
+        return (waiting[heapq.heappop(heap)[2]] for _ in range(len(heap)))
+
+    def forget(self, req: Request) -> None:
+        self._state.pop(req.request_id, None)
+
+
+def plain_radix_walk_order(kv: KVCacheManager, waiting: list[Request]) -> list[Request]:
+    """The baseline LPM: a fresh walk from the root for every waiting request (benchmarks)."""
+    scored = [(-len(kv.match_prefix(r.all_token_ids, r.num_tokens - 1)), r.arrival_time, i)
+              for i, r in enumerate(waiting)]
+    return [waiting[i] for _, _, i in sorted(scored)]
+
+
+# ---- mixing of prefill and decode -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MixState:
+    kv_usage: float  # fraction of the pool held by live requests
+    pending_prefill_pages: int  # pages the waiting and mid-prefill requests still need
+    evictable_pages: int
+    num_decoding: int
 
 
 class MixingPolicy(abc.ABC):
-    """Whether decodes share an iteration with prefill."""
-
     @abc.abstractmethod
-    def decode_with_prefill(self) -> bool: ...
+    def plan(self, state: MixState) -> tuple[bool, bool]:
+        """(prefill allowed, decodes share iterations that hold prefill)."""
 
 
 class AlwaysMix(MixingPolicy):
     """vLLM and Sarathi: decodes first, then prefill chunks, in every iteration."""
 
-    def decode_with_prefill(self) -> bool:
-        return True
+    def plan(self, state: MixState) -> tuple[bool, bool]:
+        return True, True
 
 
 class PrefillFirst(MixingPolicy):
     """SGLang's default: an iteration that can form a prefill batch runs prefill only."""
 
-    def decode_with_prefill(self) -> bool:
-        return False
+    def plan(self, state: MixState) -> tuple[bool, bool]:
+        return True, False
+
+
+class TwoStage(MixingPolicy):
+    """Stage 1 mixes. When KV use passes ``high`` and the pending prefill exceeds what can
+    be evicted, prefill would only fill pages that decodes need to finish: stage 2 runs pure
+    decode until use falls below ``low`` (hysteresis, so no flapping), then mixing resumes."""
+
+    needs_state = True
+
+    def __init__(self, high: float, low: float) -> None:
+        self.high, self.low = high, low
+        self.decode_only = False
+        self.switches = 0
+
+    def plan(self, state: MixState) -> tuple[bool, bool]:
+        if self.decode_only:
+            if state.kv_usage < self.low or state.num_decoding == 0:
+                self.decode_only = False
+                self.switches += 1
+        elif state.kv_usage > self.high and state.pending_prefill_pages > state.evictable_pages:
+            self.decode_only = True
+            self.switches += 1
+        return not self.decode_only, True
+
+
+# ---- admission ------------------------------------------------------------------------------
+
+
+class Admit:
+    YES = "yes"
+    WAIT = "wait"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class AdmitQuery:
+    request: Request
+    cached_tokens: int
+    chunk_pages: int  # pages the first chunk needs now
+    headroom_pages: int  # free + evictable (minus matched pages that admission would lock)
+    reserved_pages: int  # future growth of running requests, where the policy reserves it
+
+
+class AdmissionPolicy(abc.ABC):
+    reserves = False
+
+    @abc.abstractmethod
+    def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str: ...
+
+
+class ChunkFits(AdmissionPolicy):
+    """vLLM: admit when the next chunk fits now; growth is handled by preemption."""
+
+    def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str:
+        return Admit.YES if q.chunk_pages <= q.headroom_pages else Admit.WAIT
+
+
+def _projected_pages(q: AdmitQuery, kv: KVCacheManager, output_cap: int | None = None) -> int:
+    r = q.request
+    out = r.params.max_tokens - len(r.output_token_ids)
+    if output_cap is not None:
+        out = min(out, output_cap)
+    return kv.pages_for(r.num_tokens + out) - q.cached_tokens // kv.page_size
+
+
+class Reserve(AdmissionPolicy):
+    """SGLang: headroom minus the reserved growth of running requests must hold the new
+    request's prompt and (estimated, capped) output; otherwise it waits at the head."""
+
+    reserves = True
+
+    def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str:
+        need = max(q.chunk_pages, _projected_pages(q, kv, output_cap=4096))
+        return Admit.YES if need <= q.headroom_pages - q.reserved_pages else Admit.WAIT
+
+
+class AbortGuard(AdmissionPolicy):
+    """The guard common in production: a request whose projected length (prompt + max new
+    tokens) exceeds the current headroom is rejected, and its client must retry from
+    scratch: an agent session loses its accumulated context."""
+
+    def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str:
+        return Admit.YES if _projected_pages(q, kv) <= q.headroom_pages else Admit.REJECT
+
+
+class Backpressure(AdmissionPolicy):
+    """Throughput mode: the same projection, but a request that does not fit now waits
+    until pages free up. Only one that could never fit is refused (at intake)."""
+
+    def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str:
+        need = max(q.chunk_pages, _projected_pages(q, kv))
+        return Admit.YES if need <= q.headroom_pages else Admit.WAIT
+
+
+# ---- retraction -----------------------------------------------------------------------------
 
 
 class RetractionPolicy(abc.ABC):
@@ -56,26 +247,133 @@ class RetractionPolicy(abc.ABC):
 
 class FewestGenerated(RetractionPolicy):
     """SGLang: the request with the fewest output tokens (least work lost); ties to the
-    longest prompt (frees the most pages)."""
+    longest prompt (frees the most pages), then to the newest. The order is total, so the
+    safest request is the same in every pass and always progresses."""
 
     def victim(self, candidates: Sequence[Request]) -> Request:
-        return min(candidates, key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens))
+        return min(candidates, key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens, -r.seq))
 
 
 class LIFO(RetractionPolicy):
-    """vLLM: the last admitted request (``candidates`` come in admission order)."""
+    """vLLM: the last arrived request. (vLLM takes the last admitted; a request re-admitted
+    after retraction would then rank newest and two requests could retract each other in
+    turn, so the rank here is fixed at arrival.)"""
 
     def victim(self, candidates: Sequence[Request]) -> Request:
-        return candidates[-1]
+        return max(candidates, key=lambda r: r.seq)
 
 
-def make_order(name: str) -> OrderPolicy:
-    return {"fcfs": FCFS}[name]()
+class PriorityVictim(RetractionPolicy):
+    """Lowest priority first (largest ``priority`` value), then the latest arrival."""
+
+    def victim(self, candidates: Sequence[Request]) -> Request:
+        return max(candidates, key=lambda r: (r.priority, r.seq))
 
 
-def make_mixing(name: str) -> MixingPolicy:
-    return {"always": AlwaysMix, "prefill_first": PrefillFirst}[name]()
+# ---- token budget controllers ---------------------------------------------------------------
 
 
-def make_retraction(name: str) -> RetractionPolicy:
-    return {"fewest_generated": FewestGenerated, "lifo": LIFO}[name]()
+class BudgetController(abc.ABC):
+    """Tokens per iteration. ``budget`` is read each pass, ``observe`` fed each step."""
+
+    budget: float
+
+    @abc.abstractmethod
+    def observe(self, elapsed: float, has_prefill: bool) -> None: ...
+
+
+class FixedBudget(BudgetController):
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget if budget is not None else math.inf
+
+    def observe(self, elapsed: float, has_prefill: bool) -> None:
+        pass
+
+
+class RatchetBudget(BudgetController):
+    """The baseline: a target iteration time calibrated from the first ``warmup``
+    iterations (near-empty batches, so unrealistically low), the budget cut by 5% on every
+    iteration slower than it, and never raised above its initial value. Under real load it
+    ratchets to zero and prefill stops."""
+
+    def __init__(self, initial: int, warmup: int) -> None:
+        self.initial = initial
+        self.budget = float(initial)
+        self.warmup = warmup
+        self._calib: list[float] = []
+        self.target: float | None = None
+
+    def observe(self, elapsed: float, has_prefill: bool) -> None:
+        if self.target is None:
+            self._calib.append(elapsed)
+            if len(self._calib) >= self.warmup:
+                self.target = sum(self._calib) / len(self._calib)
+            return
+        if elapsed > self.target:
+            self.budget = math.floor(self.budget * 0.95)
+        self.budget = min(self.budget, self.initial)
+
+
+class EMABudget(BudgetController):
+    """Ours: the target follows the real iteration time, τ ← (1−α)·τ + α·t, updated only on
+    iterations that contain prefill (decode-only ones say nothing about prefill cost) and
+    only after ``warmup`` iterations. An iteration much slower than τ (a spike) cuts the
+    budget by 5%; any other grows it by 5%, up to a ceiling that does not depend on the
+    initial value, and never below a floor: the budget can grow as well as shrink."""
+
+    def __init__(self, initial: int, alpha: float, warmup: int, floor: int, ceiling: int,
+                 spike: float = 1.5) -> None:
+        self.budget = float(min(max(initial, floor), ceiling))
+        self.alpha, self.warmup, self.floor, self.ceiling = alpha, warmup, floor, ceiling
+        self.spike = spike
+        self.tau: float | None = None
+        self._seen = 0
+
+    def observe(self, elapsed: float, has_prefill: bool) -> None:
+        self._seen += 1
+        if self._seen <= self.warmup or not has_prefill:
+            return
+        if self.tau is None:
+            self.tau = elapsed
+            return
+        if elapsed > self.spike * self.tau:
+            self.budget = max(self.floor, self.budget * 0.95)
+        else:
+            self.budget = min(self.ceiling, self.budget * 1.05)
+        self.tau = (1 - self.alpha) * self.tau + self.alpha * elapsed
+
+
+# ---- factories ------------------------------------------------------------------------------
+
+
+def make_order(config: EngineConfig, kv: KVCacheManager) -> OrderPolicy:
+    if config.order == "lpm":
+        return LongestPrefixMatch(kv, config.lpm_aging, config.lpm_fcfs_fallback)
+    return {"fcfs": FCFS, "priority": PriorityOrder}[config.order]()
+
+
+def make_mixing(config: EngineConfig) -> MixingPolicy:
+    if config.mixing == "two_stage":
+        return TwoStage(config.two_stage_high, config.two_stage_low)
+    return {"always": AlwaysMix, "prefill_first": PrefillFirst}[config.mixing]()
+
+
+def make_admission(config: EngineConfig) -> AdmissionPolicy:
+    return {"chunk": ChunkFits, "reserve": Reserve, "abort_guard": AbortGuard,
+            "backpressure": Backpressure}[config.admission]()
+
+
+def make_retraction(config: EngineConfig) -> RetractionPolicy:
+    return {"fewest_generated": FewestGenerated, "lifo": LIFO,
+            "priority": PriorityVictim}[config.retraction]()
+
+
+def make_budget_controller(config: EngineConfig, pool_tokens: int) -> BudgetController:
+    ceiling = config.budget_max or pool_tokens
+    initial = config.token_budget or ceiling
+    if config.budget_controller == "ratchet":
+        return RatchetBudget(initial, config.budget_warmup)
+    if config.budget_controller == "ema":
+        return EMABudget(initial, config.ema_alpha, config.budget_warmup,
+                         min(config.budget_min, ceiling), ceiling)
+    return FixedBudget(config.token_budget)

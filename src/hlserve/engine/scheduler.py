@@ -1,44 +1,71 @@
 """The scheduler: each iteration, which requests run and how many tokens each gets.
 
-It knows nothing about tensors or time. One pass:
+It knows nothing about tensors or time sources (iteration times reach it only through
+``observe``). One pass:
 
-1. running requests first (in admission order): a decode takes one token, a request
-   mid-prefill takes its next chunk. A request whose next token needs a page the pool cannot
-   give retracts a victim (the retraction policy chooses) until it fits;
-2. then waiting requests, in the order policy's order, while the running-request limit, the
-   token budget and the pool allow; the first that does not fit stops admission (no
-   overtaking, so a long prompt is not starved by short ones). Nothing is admitted in an
-   iteration that retracted, or retraction would thrash.
-
-The mixing policy decides whether decodes share an iteration with prefill. The token budget
-bounds the whole iteration and ``chunk_size`` each prefill chunk; both may be unlimited.
+1. the iteration's caps: chunk size and token budget (from the budget controller), tightened
+   to the interactive caps only where an interactive request would feel them;
+2. the mixing policy says whether prefill may run and whether decodes share its iterations;
+3. running requests first, in admission order: a decode takes one token (decodes are never
+   starved by the budget, they only consume it), a request mid-prefill its next chunk. A
+   request whose next token needs a page the pool cannot give retracts a victim (retraction
+   policy) until it fits;
+4. waiting requests, interactive ones first, then in the order policy's order, while the
+   running-request limit, the budget, the prefill caps and the pool allow; the admission
+   policy decides for each (admit, wait, reject). The first that waits stops admission (no
+   overtaking). Nothing is admitted in an iteration that retracted.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 
 from hlserve.config import EngineConfig
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import make_mixing, make_order, make_retraction
-from hlserve.request import Request, RequestStatus
+from hlserve.engine.policies import (
+    Admit,
+    AdmitQuery,
+    MixState,
+    make_admission,
+    make_budget_controller,
+    make_mixing,
+    make_order,
+    make_retraction,
+)
+from hlserve.request import Request, RequestClass, RequestStatus
 from hlserve.runner.base import Batch, ScheduledSeq
+
+INTERACTIVE = RequestClass.INTERACTIVE
+# SGLang's estimate of how much of its max_tokens a running request will still use
+NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_STEPS = 0.7, 0.098, 600
+
+
+def _cap(value: int | None) -> float:
+    return math.inf if value is None else value
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.order = make_order(config.order)
-        self.mixing = make_mixing(config.mixing)
-        self.retraction = make_retraction(config.retraction)
-        self.chunk_size = config.chunk_size or math.inf
-        self.token_budget = config.token_budget or math.inf
+        self.order = make_order(config, kv)
+        self.mixing = make_mixing(config)
+        self.admission = make_admission(config)
+        self.retraction = make_retraction(config)
+        self.budget_controller = make_budget_controller(config, kv.num_pages * kv.page_size)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order
+        self.rejected: list[Request] = []  # refused by admission; the engine ends them
+        self.step = 0
         self.num_retractions = 0
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self._last_admit_step = -(10**9)
         # per-pass state
         self._budget: float = 0
+        self._chunk: float = math.inf
+        self._prefill_tokens = 0
         self._scheduled: dict[str, ScheduledSeq] = {}
         self._retracted = False
 
@@ -53,6 +80,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.order.forget(req)
         if self.kv.holds(req.request_id):
             self.kv.release(req.request_id, req.all_token_ids, req.num_computed)
 
@@ -61,10 +89,15 @@ class Scheduler:
 
     # ---- the pass -----------------------------------------------------------------------
     def schedule(self) -> Batch:
-        self._budget = self.token_budget
+        self.step += 1
+        self._chunk, self._budget = self._caps()
+        self._prefill_tokens = 0
         self._scheduled = {}
         self._retracted = False
-        if self.mixing.decode_with_prefill():
+        prefill_ok, mix = self.mixing.plan(self._mix_state())
+        if not prefill_ok:
+            self._schedule_running(prefill=False, decode=True)
+        elif mix:
             self._schedule_running(prefill=True, decode=True)
             self._admit_waiting()
         else:
@@ -74,16 +107,35 @@ class Scheduler:
                 self._schedule_running(prefill=False, decode=True)
         return Batch(seqs=list(self._scheduled.values()))
 
+    def _caps(self) -> tuple[float, float]:
+        """Chunk size and token budget of this iteration."""
+        chunk = _cap(self.config.chunk_size)
+        budget = self.budget_controller.budget
+        if not any(r.request_class is INTERACTIVE for r in itertools.chain(self.running, self.waiting)):
+            return chunk, budget  # nobody is waiting: pure throughput
+        ichunk = _cap(self.config.interactive_chunk_size)
+        if any(r.request_class is INTERACTIVE and not r.in_prefill for r in self.running):
+            # an interactive request decodes in this iteration: bound its length (TPOT)
+            return min(chunk, ichunk), min(budget, _cap(self.config.interactive_token_budget))
+        # one waits for its first token: chunk others' prefill so it gets in soon (TTFT)
+        return min(chunk, ichunk), budget
+
+    def _mix_state(self) -> MixState:
+        if not getattr(self.mixing, "needs_state", False):
+            return MixState(0.0, 0, 0, 0)
+        pending = sum(self.kv.pages_for(r.num_uncomputed) for r in self.waiting)
+        pending += sum(self.kv.pages_for(r.num_uncomputed) for r in self.running if r.in_prefill)
+        decoding = sum(1 for r in self.running if not r.in_prefill)
+        return MixState(self.kv.usage, pending, self.kv.num_evictable, decoding)
+
     def _schedule_running(self, prefill: bool, decode: bool) -> None:
         for req in list(self.running):
-            if self._budget < 1:
-                return
             if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
                 continue  # retracted earlier in this pass
             if req.in_prefill:
-                if not prefill:
+                n = int(min(req.num_uncomputed, self._chunk, self._budget))
+                if not prefill or n < 1:
                     continue
-                n = int(min(req.num_uncomputed, self.chunk_size, self._budget))
             else:
                 if not decode:
                     continue
@@ -92,11 +144,16 @@ class Scheduler:
                 self._add(req, n)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Give ``req`` pages for ``num_tokens``, retracting others if need be. False if
-        ``req`` itself had to be retracted."""
+        """Give ``req`` pages for ``num_tokens``; False if ``req`` had to be retracted.
+
+        The victim policy ranks every running request, ``req`` included: while the pool
+        cannot give the pages, the policy's victim is retracted, and if that is ``req``
+        itself, it yields. So the request the policy ranks safest can always take pages
+        from the others and always progresses: no two requests can retract each other
+        forever (as a re-admitted prefill and a decode could if either could evict the
+        other)."""
         while not self.kv.allocate(req.request_id, num_tokens):
-            others = [r for r in self.running if r is not req]
-            victim = self.retraction.victim(others) if others else req
+            victim = self.retraction.victim(self.running)
             self._retract(victim)
             if victim is req:
                 return False
@@ -104,31 +161,63 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         """Free a running request's KV into the prefix cache and send it back to wait; its
-        computed pages stay cached, so re-admission recomputes only what was evicted."""
+        computed pages stay cached, so re-admission recomputes only what was evicted.
+        Nothing is copied to host memory."""
         if (seq := self._scheduled.pop(req.request_id, None)) is not None:
             self._budget += seq.num_tokens
+            if not seq.is_decode:
+                self._prefill_tokens -= seq.num_tokens
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed)
         req.num_computed = 0
         req.num_retractions += 1
         self.running.remove(req)
         self.add(req)
         self.num_retractions += 1
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._retracted = True
 
+    def _waiting_order(self) -> Iterator[Request]:
+        inter = [r for r in self.waiting if r.request_class is INTERACTIVE]
+        if not inter:
+            return self.order.order(self.waiting, self.step)
+        rest = [r for r in self.waiting if r.request_class is not INTERACTIVE]
+        inter.sort(key=lambda r: (r.priority, r.arrival_time))
+        return itertools.chain(inter, self.order.order(rest, self.step))
+
     def _admit_waiting(self) -> None:
+        cfg = self.config
         if self._retracted or not self.waiting:
             return
+        decoding = any(not r.in_prefill for r in self.running)
+        if cfg.prefill_delay and decoding and self.step - self._last_admit_step < cfg.prefill_delay:
+            return  # the delayer holds new prefill to protect running decodes
         ps = self.kv.page_size
-        for req in self.order.order(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs or self._budget < 1:
+        mid_chunk = sum(1 for r in self.running if r.in_prefill)
+        for req in list(self._waiting_order()):
+            if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
                 break
+            if cfg.max_prefill_tokens is not None and self._prefill_tokens >= cfg.max_prefill_tokens:
+                break  # SGLang's cap: the first prefill of an iteration may exceed it
             tokens = req.all_token_ids
             nodes = self.kv.match_prefix(tokens, len(tokens) - 1)
             cached = len(nodes) * ps
-            n = int(min(len(tokens) - cached, self.chunk_size, self._budget))
-            need = self.kv.pages_for(cached + n) - len(nodes)
+            n = int(min(len(tokens) - cached, self._chunk, self._budget))
+            if n < len(tokens) - cached and cfg.max_chunked_prefills is not None \
+                    and mid_chunk >= cfg.max_chunked_prefills:
+                break
+            chunk_pages = self.kv.pages_for(cached + n) - len(nodes)
             # matched pages nobody holds are counted as evictable now but get locked
-            if need > self.kv.available() - sum(1 for nd in nodes if nd.ref == 0):
+            headroom = self.kv.available() - sum(1 for nd in nodes if nd.ref == 0)
+            reserved = self._reserved_pages() if self.admission.reserves else 0
+            verdict = self.admission.decide(
+                AdmitQuery(req, cached, chunk_pages, headroom, reserved), self.kv
+            )
+            if verdict == Admit.REJECT:
+                self.waiting.remove(req)
+                self.order.forget(req)
+                self.rejected.append(req)
+                continue
+            if verdict == Admit.WAIT or chunk_pages > headroom:
                 break
             cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1)
             ok = self.kv.allocate(req.request_id, cached + n)
@@ -138,15 +227,101 @@ class Scheduler:
             req.num_computed = cached
             req.status = RequestStatus.RUNNING
             self.waiting.remove(req)
+            self.order.forget(req)
             self.running.append(req)
             self._add(req, n)
+            self._last_admit_step = self.step
+            if n < len(tokens) - cached:
+                mid_chunk += 1
+
+        """Free a running request's KV into the prefix cache and send it back to wait; its
+        computed pages stay cached, so re-admission recomputes only what was evicted.
+        Nothing is copied to host memory."""
+        if (seq := self._scheduled.pop(req.request_id, None)) is not None:
+            self._budget += seq.num_tokens
+            if not seq.is_decode:
+                self._prefill_tokens -= seq.num_tokens
+        self.kv.release(req.request_id, req.all_token_ids, req.num_computed)
+        req.num_computed = 0
+        req.num_retractions += 1
+        self.running.remove(req)
+        self.add(req)
+        self.num_retractions += 1
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self._retracted = True
+
+    def _waiting_order(self) -> Iterator[Request]:
+        inter = [r for r in self.waiting if r.request_class is INTERACTIVE]
+        if not inter:
+            return self.order.order(self.waiting, self.step)
+        rest = [r for r in self.waiting if r.request_class is not INTERACTIVE]
+        inter.sort(key=lambda r: (r.priority, r.arrival_time))
+        return itertools.chain(inter, self.order.order(rest, self.step))
+
+    def _admit_waiting(self) -> None:
+        cfg = self.config
+        if self._retracted or not self.waiting:
+            return
+        decoding = any(not r.in_prefill for r in self.running)
+        if cfg.prefill_delay and decoding and self.step - self._last_admit_step < cfg.prefill_delay:
+            return  # the delayer holds new prefill to protect running decodes
+        ps = self.kv.page_size
+        mid_chunk = sum(1 for r in self.running if r.in_prefill)
+        for req in list(self._waiting_order()):
+            if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
+                break
+            if cfg.max_prefill_tokens is not None and self._prefill_tokens >= cfg.max_prefill_tokens:
+                break  # SGLang's cap: the first prefill of an iteration may exceed it
+            tokens = req.all_token_ids
+            nodes = self.kv.match_prefix(tokens, len(tokens) - 1)
+            cached = len(nodes) * ps
+            n = int(min(len(tokens) - cached, self._chunk, self._budget))
+            if n < len(tokens) - cached and cfg.max_chunked_prefills is not None \
+                    and mid_chunk >= cfg.max_chunked_prefills:
+                break
+            chunk_pages = self.kv.pages_for(cached + n) - len(nodes)
+            # matched pages nobody holds are counted as evictable now but get locked
+            headroom = self.kv.available() - sum(1 for nd in nodes if nd.ref == 0)
+            reserved = self._reserved_pages() if self.admission.reserves else 0
+            verdict = self.admission.decide(
+                AdmitQuery(req, cached, chunk_pages, headroom, reserved), self.kv
+            )
+            if verdict == Admit.REJECT:
+                self.waiting.remove(req)
+                self.order.forget(req)
+                self.rejected.append(req)
+                continue
+            if verdict == Admit.WAIT or chunk_pages > headroom:
+                break
+            cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1)
+            ok = self.kv.allocate(req.request_id, cached + n)
+            assert ok, "admission checked the pool"
+            if req.num_retractions == 0:
+                req.num_cached_prompt = cached
+            req.num_computed = cached
+            req.status = RequestStatus.RUNNING
+            self.waiting.remove(req)
+            self.order.forget(req)
+            self.running.append(req)
+            self._add(req, n)
+            self._last_admit_step = self.step
+            if n < len(tokens) - cached:
+                mid_chunk += 1
+
+    def _reserved_pages(self) -> int:
+        """SGLang's reservation: the estimated remaining output of running requests."""
+        tokens = sum(
+            min(r.params.max_tokens - len(r.output_token_ids), 4096) for r in self.running
+        )
+        return self.kv.pages_for(int(tokens * self.new_token_ratio))
 
     def _add(self, req: Request, n: int) -> None:
-        self._scheduled[req.request_id] = ScheduledSeq(
-            request=req, start=req.num_computed, num_tokens=n,
-            page_table=self.kv.page_table(req.request_id),
-        )
+        seq = ScheduledSeq(request=req, start=req.num_computed, num_tokens=n,
+                           page_table=self.kv.page_table(req.request_id))
+        self._scheduled[req.request_id] = seq
         self._budget -= n
+        if not seq.is_decode:
+            self._prefill_tokens += n
 
     # ---- after the step -----------------------------------------------------------------
     def update(self, batch: Batch) -> None:
@@ -158,6 +333,13 @@ class Scheduler:
             req.num_computed = seq.end
             if self.kv.enable_prefix_caching and seq.end // ps > before // ps:
                 self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+        if batch.num_decodes:
+            step = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / NEW_TOKEN_RATIO_STEPS
+            self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - step)
+
+    def observe(self, batch: Batch, elapsed: float) -> None:
+        """Feed the iteration's forward time to the budget controller."""
+        self.budget_controller.observe(elapsed, batch.num_prefill_tokens > 0)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

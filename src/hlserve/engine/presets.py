@@ -1,0 +1,143 @@
+"""Presets: the systems we compare against, and our throughput mode, as knob settings.
+
+Every number here comes from the reference figures (FACTS.md, "Defaults of other systems"),
+so that a result can say which system's policy it ran. A preset fills in knobs; any knob
+the caller names explicitly wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hlserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # "cpu" or "cuda"
+    memory_gib: float | None = None  # accelerator memory; None on CPU
+    hopper_class: bool = False  # compute capability >= 9 (H100/H200/H20)
+
+    @classmethod
+    def detect(cls, device: str = "auto") -> DeviceInfo:
+        import torch
+
+        if device == "cpu" or not torch.cuda.is_available():
+            return cls("cpu")
+        idx = torch.device(device if device not in ("auto", "cuda") else "cuda:0").index or 0
+        props = torch.cuda.get_device_properties(idx)
+        return cls("cuda", props.total_memory / 2**30, props.major >= 9)
+
+
+def sglang_chunk_size(dev: DeviceInfo) -> int:
+    """SGLang's --chunked-prefill-size by GPU memory; CPUs get the smallest tier."""
+    mem = dev.memory_gib
+    if mem is None or mem < 35:
+        return 2048
+    if mem < 60:
+        return 4096
+    return 8192 if mem < 160 else 16384
+
+
+def vllm_token_budget(dev: DeviceInfo) -> int:
+    """vLLM's online max_num_batched_tokens: 8192 on H100-class, 2048 on A100, smaller, CPU."""
+    return 8192 if dev.hopper_class else 2048
+
+
+# the systems we compare against apply their caps to every request alike
+_NO_CLASSES: dict[str, Any] = {"interactive_chunk_size": None, "interactive_token_budget": None}
+
+
+def preset_options(name: str, dev: DeviceInfo) -> dict[str, Any]:
+    if name == "sglang":
+        return dict(
+            mixing="prefill_first", chunk_size=sglang_chunk_size(dev), token_budget=None,
+            max_prefill_tokens=16384, max_chunked_prefills=1, order="lpm",
+            lpm_fcfs_fallback=128, lpm_aging=0.0, admission="reserve",
+            retraction="fewest_generated", budget_controller="fixed", prefill_delay=None,
+            **_NO_CLASSES,
+        )
+    if name == "vllm":
+        budget = vllm_token_budget(dev)
+        return dict(
+            mixing="always", chunk_size=None, token_budget=budget, order="fcfs",
+            admission="chunk", retraction="lifo", budget_controller="fixed",
+            max_num_seqs=1024 if dev.hopper_class else 256, prefill_delay=None,
+            **_NO_CLASSES,
+        )
+    if name in ("sarathi", "sarathi-relaxed"):
+        c = 512 if name == "sarathi" else 2048
+        return dict(
+            mixing="always", chunk_size=c, token_budget=c, order="fcfs", admission="chunk",
+            retraction="lifo", budget_controller="fixed", prefill_delay=None,
+            **_NO_CLASSES,
+        )
+    if name == "hlserve":
+        # throughput mode: latency caps off, safety caps kept (DESIGN, points 1-7)
+        return dict(
+            mixing="two_stage", chunk_size=None, token_budget=None, budget_controller="ema",
+            order="lpm", lpm_fcfs_fallback=None, lpm_aging=4.0, admission="backpressure",
+            retraction="fewest_generated", prefill_delay=None, max_chunked_prefills=None,
+            max_prefill_tokens=None,
+        )
+    raise ValueError(f"unknown preset {name!r}: {', '.join(PRESETS)}")
+
+
+PRESETS = ("sglang", "vllm", "sarathi", "sarathi-relaxed", "hlserve")
+MODES = {"throughput": "hlserve", "slo": "vllm"}
+
+
+def resolve_options(options: dict[str, Any], dev: DeviceInfo | None = None) -> dict[str, Any]:
+    """Expand ``mode`` / ``preset`` into knobs; explicit options override the preset."""
+    opts = dict(options)
+    mode = opts.pop("mode", None)
+    preset = opts.pop("preset", None)
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: {', '.join(MODES)}")
+        if preset is not None and preset != MODES[mode]:
+            raise ValueError(f"mode {mode!r} is preset {MODES[mode]!r}, not {preset!r}")
+        preset = MODES[mode]
+    if preset is None:
+        return opts
+    dev = dev or DeviceInfo.detect(opts.get("device", "auto"))
+    merged = preset_options(preset, dev)
+    merged.update(opts)
+    merged["preset"] = preset
+    return merged
+
+
+# knob -> (kind, why); kind is what throughput mode may remove (latency) or must keep (safety)
+CAPS: dict[str, tuple[str, str]] = {
+    "chunk_size": ("latency", "bounds each prefill chunk so decodes are not stalled (TTFT of others)"),
+    "token_budget": ("latency", "bounds tokens per iteration (TPOT)"),
+    "prefill_delay": ("latency", "holds new prefill while decodes run (TPOT)"),
+    "max_chunked_prefills": ("latency", "requests mid-chunk at once"),
+    "interactive_chunk_size": ("latency", "chunk size while an interactive request waits or decodes"),
+    "interactive_token_budget": ("latency", "iteration budget while an interactive request decodes"),
+    "max_num_seqs": ("safety", "running-request limit"),
+    "max_model_len": ("safety", "longest sequence the model and KV hold"),
+    "max_prefill_tokens": ("safety", "prefill tokens per iteration (activation memory)"),
+}
+
+
+def describe_caps(config: EngineConfig, num_pages: int, page_size: int, max_model_len: int,
+                  budget_start: float) -> str:
+    """One block that lists every cap in force, so a run can be reproduced from its log."""
+    lines = [f"hlserve engine caps (preset: {config.preset or 'none'}):"]
+    for name, (kind, why) in CAPS.items():
+        value: Any = max_model_len if name == "max_model_len" else getattr(config, name)
+        if name == "token_budget" and config.budget_controller != "fixed":
+            value = f"{config.budget_controller} controller, start {budget_start:.0f}"
+        if name.startswith("interactive_"):
+            why += " (only when interactive traffic is present)"
+        shown = "off" if value is None else value
+        lines.append(f"  {kind:<7} {name:<26} {shown!s:<28} {why}")
+    lines.append(f"  safety  {'kv_pool':<26} {f'{num_pages} pages x {page_size} tokens':<28} "
+                 f"KV capacity ({num_pages * page_size} tokens)")
+    lines.append(f"  policy  mixing={config.mixing} order={config.order} admission="
+                 f"{config.admission} retraction={config.retraction} "
+                 f"prefix_caching={config.enable_prefix_caching} "
+                 f"default_class={config.default_request_class}")
+    return "\n".join(lines)
