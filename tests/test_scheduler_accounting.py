@@ -13,45 +13,8 @@ from hypothesis import strategies as st
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
 from hlserve.errors import InvalidRequestError
-from hlserve.models.config import ModelConfig
 from hlserve.request import FinishReason, SamplingParams
-from hlserve.runner.base import Batch, Runner, StepResult
-
-VOCAB = 8
-
-
-class HistoryRunner(Runner):
-    """Token = a hash of the whole sequence so far; checks that each chunk continues exactly
-    where the request's KV ends and that it only writes into its own pages."""
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.model_config = ModelConfig(
-            architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=8,
-            intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-            num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-        )
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.kv_content: dict[int, int] = {}  # slot -> token whose "KV" it holds
-
-    def execute(self, batch: Batch) -> StepResult:
-        out = {}
-        slots_seen: set[int] = set()
-        for seq in batch.seqs:
-            req = seq.request
-            ps = self.page_size
-            # context before the chunk must already be in this request's pages
-            for pos in range(seq.start):
-                slot = seq.page_table[pos // ps] * ps + pos % ps
-                assert self.kv_content.get(slot) == req.token_at(pos), "stale or foreign KV"
-            for pos in range(seq.start, seq.end):
-                slot = seq.page_table[pos // ps] * ps + pos % ps
-                assert slot not in slots_seen, "two sequences write one slot"
-                slots_seen.add(slot)
-                self.kv_content[slot] = req.token_at(pos)
-            if seq.samples:
-                out[req.request_id] = hash(tuple(req.all_token_ids)) % VOCAB
-        return StepResult(tokens=out, elapsed=0.0)
+from support import VOCAB, HistoryRunner
 
 
 def reference_tokens(prompt: list[int], n: int) -> list[int]:

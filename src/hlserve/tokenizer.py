@@ -61,7 +61,15 @@ class Tokenizer:
 
         def read(name: str) -> dict[str, Any]:
             f = path / name
-            return json.loads(f.read_text()) if f.is_file() else {}
+            if not f.is_file():
+                return {}
+            try:
+                obj = json.loads(f.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ModelLoadError(f"{f} is not valid JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise ModelLoadError(f"{f} must hold a JSON object, not {type(obj).__name__}")
+            return obj
 
         return cls(tok, read("tokenizer_config.json"), read("generation_config.json"))
 
@@ -85,7 +93,7 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: messages is not a list of dicts
             raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
 
 

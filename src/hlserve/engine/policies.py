@@ -70,6 +70,7 @@ class LongestPrefixMatch(OrderPolicy):
         self.aging = aging
         self.fcfs_fallback = fcfs_fallback
         self._state: dict[str, _Match] = {}
+        self.lookups = 0  # tree lookups made, the cost that matters at thousands waiting
 
     def cached_tokens(self, req: Request, step: int) -> int:
         ps = self.kv.page_size
@@ -85,7 +86,11 @@ class LongestPrefixMatch(OrderPolicy):
             node, depth = node.parent, depth - 1  # type: ignore[assignment]
         # the last token is always recomputed, so never count a page that ends the request
         limit = min(len(st.keys), (req.num_tokens - 1) // ps)
-        while depth < limit and (child := node.children.get(st.keys[depth])) is not None:
+        while depth < limit:
+            self.lookups += 1
+            child = node.children.get(st.keys[depth])
+            if child is None:
+                break
             node, depth = child, depth + 1
         st.node, st.depth = node, depth
         return depth * ps

@@ -117,4 +117,6 @@ class ModelConfig:
             cfg = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{cfg_path} must hold a JSON object, not {type(cfg).__name__}")
         return cls.from_dict(cfg)

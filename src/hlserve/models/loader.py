@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hlserve.errors import ModelLoadError
 from hlserve.models.config import ModelConfig
@@ -60,22 +60,10 @@ def load_model(
     expected = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if "rotary_emb" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in expected:
-                    raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} for {cfg.architecture}")
-                tensor = f.get_tensor(name)
-                param = expected[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ModelLoadError(
-                        f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor.to(dtype))
-                loaded.add(name)
+        try:
+            _load_file(file, expected, loaded, cfg, dtype)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{file.name} is not a readable safetensors file: {e}") from None
     missing = set(expected) - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[0]!r}")
@@ -85,3 +73,25 @@ def load_model(
     model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
     model.eval().requires_grad_(False)
     return model, cfg
+
+
+def _load_file(
+    file: Path, expected: dict[str, torch.nn.Parameter], loaded: set[str], cfg: ModelConfig,
+    dtype: torch.dtype,
+) -> None:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            if "rotary_emb" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if name not in expected:
+                raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} for {cfg.architecture}")
+            tensor = f.get_tensor(name)
+            param = expected[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ModelLoadError(
+                    f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
+                    f"config.json implies {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(dtype))
+            loaded.add(name)

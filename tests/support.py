@@ -1,0 +1,59 @@
+"""A stand-in runner for scheduler tests: the scheduler is under test, not the model.
+
+Tokens are a pure function of each request's history (so a retracted and recomputed request
+must produce the very same tokens), each chunk is checked to continue exactly where the
+request's KV ends, and each step takes a deterministic time (``overhead + per_token x
+tokens + per_context x context``) so that time-driven policies can be tested on a virtual
+clock without timing flakiness.
+"""
+
+from __future__ import annotations
+
+from hlserve.models.config import ModelConfig
+from hlserve.runner.base import Batch, Runner, StepResult
+
+VOCAB = 8
+
+
+class HistoryRunner(Runner):
+    """Token = a hash of the whole sequence so far; checks that each chunk continues exactly
+    where the request's KV ends and that it only writes into its own pages."""
+
+    def __init__(self, num_pages: int, page_size: int, overhead: float = 0.0,
+                 per_token: float = 0.0, per_context: float = 0.0, check: bool = True) -> None:
+        self.cost = (overhead, per_token, per_context)
+        self.check = check
+        self.batches: list[Batch] = []  # what each step ran (token counts), for assertions
+        self.model_config = ModelConfig(
+            architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=8,
+            intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=8, max_position_embeddings=1 << 16,
+        )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv_content: dict[int, int] = {}  # slot -> token whose "KV" it holds
+
+    def execute(self, batch: Batch) -> StepResult:
+        out = {}
+        slots_seen: set[int] = set()
+        self.batches.append(batch)
+        overhead, per_token, per_context = self.cost
+        elapsed = overhead + per_token * batch.num_tokens
+        elapsed += per_context * sum(s.end for s in batch.seqs)
+        for seq in batch.seqs:
+            req = seq.request
+            ps = self.page_size
+            # context before the chunk must already be in this request's pages
+            for pos in range(seq.start if self.check else 0):
+                slot = seq.page_table[pos // ps] * ps + pos % ps
+                assert self.kv_content.get(slot) == req.token_at(pos), "stale or foreign KV"
+            for pos in range(seq.start, seq.end):
+                slot = seq.page_table[pos // ps] * ps + pos % ps
+                assert slot not in slots_seen, "two sequences write one slot"
+                slots_seen.add(slot)
+                self.kv_content[slot] = req.token_at(pos)
+            if seq.samples:
+                out[req.request_id] = hash(tuple(req.all_token_ids)) % VOCAB
+        return StepResult(tokens=out, elapsed=elapsed)
+
+
