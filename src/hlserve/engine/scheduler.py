@@ -129,19 +129,20 @@ class Scheduler:
         return MixState(self.kv.usage, pending, self.kv.num_evictable, decoding)
 
     def _schedule_running(self, prefill: bool, decode: bool) -> None:
-        for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
-                continue  # retracted earlier in this pass
-            if req.in_prefill:
+        """Decodes first, then chunks of requests mid-prefill, so that a chunk takes what the
+        decodes leave of the budget and the iteration never exceeds it."""
+        if decode:
+            for req in [r for r in self.running if not r.in_prefill]:
+                if req.status is RequestStatus.RUNNING and req.request_id not in self._scheduled \
+                        and self._reserve(req, req.num_computed + 1):
+                    self._add(req, 1)
+        if prefill:
+            for req in [r for r in self.running if r.in_prefill]:
+                if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
+                    continue  # retracted earlier in this pass
                 n = int(min(req.num_uncomputed, self._chunk, self._budget))
-                if not prefill or n < 1:
-                    continue
-            else:
-                if not decode:
-                    continue
-                n = 1
-            if self._reserve(req, req.num_computed + n):
-                self._add(req, n)
+                if n >= 1 and self._reserve(req, req.num_computed + n):
+                    self._add(req, n)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens``; False if ``req`` had to be retracted.
