@@ -1,4 +1,4 @@
-"""``hlserve`` command line: tiny-model, generate, demo."""
+"""``hlserve`` command line: tiny-model, generate, demo, serve."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hlserve.config import MIXING, ORDERS, RETRACTIONS, EngineConfig
+from hlserve.config import (
+    ADMISSIONS,
+    BUDGET_CONTROLLERS,
+    MIXING,
+    ORDERS,
+    REQUEST_CLASSES,
+    RETRACTIONS,
+    EngineConfig,
+)
+from hlserve.engine.presets import MODES, PRESETS
 from hlserve.errors import HLServeError
 
 DEFAULT_MODEL_HOME = Path(os.environ.get("HLSERVE_HOME", Path.home() / ".cache" / "hlserve"))
@@ -30,10 +39,26 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "token_budget": (
         ["--token-budget", "--max-num-batched-tokens"], "tokens per iteration (unset: unlimited)"
     ),
+    "max_prefill_tokens": (["--max-prefill-tokens"], "prefill tokens per iteration"),
+    "prefill_delay": (["--prefill-delay"], "admit new prefill at most every N iterations"),
+    "max_chunked_prefills": (["--max-chunked-prefills"], "requests mid-chunk at once"),
+    "budget_controller": (["--budget-controller"], " | ".join(BUDGET_CONTROLLERS)),
     "mixing": (["--mixing"], " | ".join(MIXING)),
-    "order": (["--order"], " | ".join(ORDERS)),
+    "order": (["--order", "--schedule-policy"], " | ".join(ORDERS)),
+    "admission": (["--admission"], " | ".join(ADMISSIONS)),
     "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
+    "lpm_aging": (["--lpm-aging"], "LPM aging, tokens per iteration waited"),
+    "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
+    "budget_min": (["--budget-min"], "EMA budget floor"),
+    "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
+    "default_request_class": (["--default-request-class"], " | ".join(REQUEST_CLASSES)),
+    "interactive_chunk_size": (["--interactive-chunk-size"], "chunk while interactive traffic waits"),
+    "interactive_token_budget": (
+        ["--interactive-token-budget"], "iteration budget while interactive traffic decodes"
+    ),
 }
+STR_KNOBS = {"dtype", "device", "mixing", "order", "retraction", "admission",
+             "budget_controller", "default_request_class"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +67,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (flags, help_text) in ENGINE_FLAGS.items():
         default = fields[name].default
         kind = {"int": int, "float": float, "str": str}.get(type(default).__name__, int)
-        if name in ("dtype", "device", "mixing", "order", "retraction"):
+        if name in STR_KNOBS:
             kind = str
         group.add_argument(*flags, dest=name, type=kind, default=None,
                            help=f"{help_text} (default: {default})")
+    group.add_argument("--mode", choices=list(MODES), default=None,
+                       help="throughput: hlserve's throughput mode; slo: a production default (vllm)")
+    group.add_argument("--preset", choices=list(PRESETS), default=None,
+                       help="the knob settings of a system we compare against")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None, help="turn the radix prefix cache off")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*ENGINE_FLAGS, "enable_prefix_caching"]
+    names = [*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -110,6 +139,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"{engine.scheduler.num_retractions} retractions")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    """The OpenAI-compatible HTTP server (docs/server.md)."""
+    from hlserve.server.api import serve
+    from hlserve.server.args import server_settings
+
+    serve(args.model, engine_options(args), server_settings(args, args.model))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hlserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -139,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4)
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
+
+    from hlserve.server.args import add_server_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
+    p.add_argument("model", help="model directory")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

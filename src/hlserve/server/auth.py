@@ -1,0 +1,98 @@
+"""API keys: which keys are accepted, and the request class each one implies.
+
+``--api-key KEY`` accepts one key with no class. ``--api-keys FILE`` adds keys, each
+optionally mapped to a request class. FILE is either a JSON object::
+
+    {"sk-agents": "agent", "sk-chat-ui": "interactive", "sk-ops": null}
+
+or text, one key per line, an optional class after whitespace, ``#`` starting a comment::
+
+    sk-agents   agent
+    sk-chat-ui  interactive
+    sk-ops
+
+Keys are compared in constant time: the presented key's SHA-256 is compared with every
+accepted key's with :func:`hmac.compare_digest`, without stopping at a match, so neither the
+content of a key nor its position in the table shows in the response time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from pathlib import Path
+
+from hlserve.server.args import REQUEST_CLASSES
+
+
+class KeyTable:
+    def __init__(self, keys: dict[str, str | None]) -> None:
+        for key, cls in keys.items():
+            if not key or any(c.isspace() for c in key):
+                raise ValueError(f"an API key must be non-empty and without spaces: {key!r}")
+            if cls is not None and cls not in REQUEST_CLASSES:
+                raise ValueError(f"API key class must be one of {REQUEST_CLASSES} or none, "
+                                 f"got {cls!r}")
+        self._entries = [(_digest(k), cls) for k, cls in keys.items()]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, presented: str | None) -> tuple[bool, str | None]:
+        """(accepted, class of the key or None)."""
+        digest = _digest(presented or "")
+        found, found_cls = False, None
+        for d, cls in self._entries:  # no early exit: constant time in the table too
+            match = hmac.compare_digest(d, digest)
+            found |= match
+            if match:
+                found_cls = cls
+        return (found and presented is not None), found_cls
+
+    @classmethod
+    def load(cls, api_key: str | None, path: Path | None) -> KeyTable:
+        keys: dict[str, str | None] = {}
+        if path is not None:
+            keys.update(read_key_file(path))
+        if api_key is not None:
+            keys.setdefault(api_key, None)
+        return cls(keys)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def read_key_file(path: Path) -> dict[str, str | None]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {path}: {e.strerror}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in obj.items()
+        ):
+            raise ValueError(f'{path}: expected a JSON object {{"KEY": "agent" | "interactive" '
+                             "| null}")
+        return dict(obj)
+    keys: dict[str, str | None] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) > 2 or (len(parts) == 2 and parts[1] not in REQUEST_CLASSES):
+            raise ValueError(f"{path}:{lineno}: expected 'KEY [interactive|agent]', got {raw!r}")
+        keys[parts[0]] = parts[1] if len(parts) == 2 else None
+    if not keys:
+        raise ValueError(f"{path} holds no API keys")
+    return keys

@@ -1,0 +1,111 @@
+"""Prometheus metrics under ``hlserve:``, with vLLM's names and meanings.
+
+Every metric carries ``model_name`` (vLLM's label); per-request quantities also carry
+``request_class`` (``interactive`` | ``agent``). Pool-wide quantities (KV usage) have no
+class: a page shared through the prefix cache belongs to no single class.
+
+Counters and histograms are updated by the engine thread as outputs arrive; gauges are set
+by it after every loop iteration, so a scrape never touches the engine.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from hlserve.server.args import REQUEST_CLASSES
+
+PREFIX = "hlserve:"
+
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # as vLLM: no *_created series (process-wide setting)
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, PREFIX
+        per_class = ["model_name", "request_class"]
+        self.running = Gauge(m + "num_requests_running", "Requests in the running batch.",
+                             per_class, registry=r)
+        self.waiting = Gauge(m + "num_requests_waiting", "Requests waiting to be scheduled "
+                             "(retracted ones included).", per_class, registry=r)
+        self.kv_usage = Gauge(m + "kv_cache_usage_perc", "Fraction of the KV pool held by live "
+                              "requests (1 = full).", ["model_name"], registry=r)
+        self.preemptions = Counter(m + "num_preemptions", "Requests retracted (preempted).",
+                                   per_class, registry=r)
+        self.prompt_tokens = Counter(m + "prompt_tokens", "Prompt tokens of prefilled requests.",
+                                     per_class, registry=r)
+        self.generation_tokens = Counter(m + "generation_tokens", "Generated tokens.", per_class,
+                                         registry=r)
+        self.prefix_queries = Counter(m + "prefix_cache_queries", "Prefix-cache queries, in "
+                                      "tokens.", per_class, registry=r)
+        self.prefix_hits = Counter(m + "prefix_cache_hits", "Prefix-cache hits, in tokens.",
+                                   per_class, registry=r)
+        self.request_success = Counter(m + "request_success", "Finished requests, by finish "
+                                       "reason.", [*per_class, "finished_reason"], registry=r)
+        self.requests_rejected = Counter(m + "requests_rejected", "Requests answered with an "
+                                         "error before reaching the engine's queue, by reason.",
+                                         ["model_name", "reason"], registry=r)
+        self.ttft = Histogram(m + "time_to_first_token_seconds", "Time to first token.",
+                              per_class, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(m + "inter_token_latency_seconds", "Time between two output tokens "
+                             "of a request.", per_class, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(m + "e2e_request_latency_seconds", "Arrival to last token.",
+                             per_class, buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram(m + "request_queue_time_seconds", "Arrival to first "
+                                    "scheduling.", per_class, buckets=REQUEST_BUCKETS, registry=r)
+        self.engine_step_errors = Counter(m + "engine_step_errors", "Engine steps that raised "
+                                          "(their requests failed).", ["model_name"], registry=r)
+        # every series exists from the start, so a scrape shows zeros rather than nothing
+        for cls in REQUEST_CLASSES:
+            for metric in (self.running, self.waiting, self.preemptions, self.prompt_tokens,
+                           self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                           self.ttft, self.itl, self.e2e, self.queue_time):
+                metric.labels(model_name, cls)
+            for reason in FINISH_REASONS:
+                self.request_success.labels(model_name, cls, reason)
+        self.kv_usage.labels(model_name).set(0)
+        self.engine_step_errors.labels(model_name)
+        # children by class, resolved once (labels() takes a lock and a dict lookup)
+        self.c = {cls: _ClassMetrics(self, cls) for cls in REQUEST_CLASSES}
+
+    def reject(self, reason: str) -> None:
+        self.requests_rejected.labels(self.model_name, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClassMetrics:
+    def __init__(self, m: ServerMetrics, cls: str) -> None:
+        n = m.model_name
+        self.running = m.running.labels(n, cls)
+        self.waiting = m.waiting.labels(n, cls)
+        self.preemptions = m.preemptions.labels(n, cls)
+        self.prompt_tokens = m.prompt_tokens.labels(n, cls)
+        self.generation_tokens = m.generation_tokens.labels(n, cls)
+        self.prefix_queries = m.prefix_queries.labels(n, cls)
+        self.prefix_hits = m.prefix_hits.labels(n, cls)
+        self.ttft = m.ttft.labels(n, cls)
+        self.itl = m.itl.labels(n, cls)
+        self.e2e = m.e2e.labels(n, cls)
+        self.queue_time = m.queue_time.labels(n, cls)
+        self.success = {r: m.request_success.labels(n, cls, r) for r in FINISH_REASONS}
