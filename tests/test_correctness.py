@@ -82,3 +82,44 @@ def test_retraction_keeps_tokens_identical(case) -> None:
     assert llm.engine.scheduler.num_retractions > 0, "the pool was meant to force retraction"
     assert [o.token_ids for o in outs] == refs
     assert llm.engine.kv.num_used == 0
+
+
+PRESET_CONFIGS = {
+    "mode=throughput": {"mode": "throughput"},
+    "mode=slo": {"mode": "slo", "token_budget": 64},
+    "sglang": {"preset": "sglang", "chunk_size": 32},
+    "vllm": {"preset": "vllm"},
+    "sarathi": {"preset": "sarathi", "chunk_size": 48, "token_budget": 48},
+    "sarathi-relaxed": {"preset": "sarathi-relaxed"},
+    "throughput+priority": {"mode": "throughput", "order": "priority", "retraction": "priority"},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_model_dirs: dict[str, Path]):
+    path = tiny_model_dirs["llama"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(11, hf.config.vocab_size)
+    return path, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("name", list(PRESET_CONFIGS))
+def test_every_preset_and_mode_matches_transformers(llama_case, name: str) -> None:
+    path, prompts, refs = llama_case
+    llm = LLM(str(path), dtype="float32", check_invariants=True, **PRESET_CONFIGS[name])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs, name
+
+
+@pytest.mark.parametrize("opts", [
+    {"mode": "throughput", "admission": "chunk"},
+    {"preset": "sglang", "chunk_size": 32, "admission": "chunk"},
+    {"preset": "vllm", "token_budget": 64},
+], ids=["throughput", "sglang", "vllm"])
+def test_retraction_storm_under_presets_keeps_tokens(llama_case, opts) -> None:
+    path, prompts, refs = llama_case
+    llm = LLM(str(path), dtype="float32", num_pages=20, page_size=16, check_invariants=True,
+              **opts)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_retractions > 0
+    assert [o.token_ids for o in outs] == refs

@@ -119,24 +119,28 @@ def default_model(size: str = "tiny") -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """Closed-loop agent sessions on the default model: throughput, latency, cache reuse."""
-    from hlserve.bench.driver import run_agent_sessions
+    """The human tax on the default model: one closed-loop agent workload, served in a
+    production SLO mode and in throughput mode, side by side."""
+    from hlserve.bench.driver import compare_configs, format_comparison
     from hlserve.bench.workloads import AgentWorkload
-    from hlserve.llm import build_engine
 
     model = args.model or str(default_model())
-    engine = build_engine(model, **engine_options(args))
-    workload = AgentWorkload(sessions=args.sessions, rounds=args.rounds)
-    s = run_agent_sessions(engine, workload).summary()
-    print(f"model: {model}")
-    print(f"{args.sessions} sessions x {args.rounds} rounds: {s['total_input_tokens']} prompt "
-          f"tokens ({s['cached_tokens']} from the prefix cache), {s['total_output_tokens']} "
-          f"output tokens in {s['duration']:.1f}s")
-    print(f"total token throughput {s['total_token_throughput']:.0f} tok/s, output "
-          f"{s['output_throughput']:.0f} tok/s; TTFT p50/p99 {s['median_ttft_ms']:.0f}/"
-          f"{s['p99_ttft_ms']:.0f} ms, TPOT p50/p99 {s['median_tpot_ms']:.0f}/"
-          f"{s['p99_tpot_ms']:.0f} ms; session time p50 {s['median_session_time_s']:.1f}s; "
-          f"{engine.scheduler.num_retractions} retractions")
+    workload = AgentWorkload(sessions=args.sessions, rounds=args.rounds,
+                             system_prompt_len=args.system_prompt_len)
+    common = engine_options(args)
+    common.pop("mode", None)
+    configs = {"slo (vllm)": {"mode": "slo"}, "throughput": {"mode": "throughput"}}
+    results = compare_configs(model, configs, workload, **common)
+    slo, tp = results["slo (vllm)"], results["throughput"]
+    print(f"\nmodel: {model}; {args.sessions} agent sessions x {args.rounds} rounds, closed loop")
+    print(format_comparison(results, baseline="slo (vllm)"))
+    gain = tp["total_token_throughput"] / slo["total_token_throughput"] - 1
+    print(f"\nthroughput mode: {gain:+.0%} total token throughput; "
+          f"session time p50 {tp['median_session_time_s']:.1f}s vs {slo['median_session_time_s']:.1f}s; "
+          f"cost: TTFT p99 {tp['p99_ttft_ms']:.0f} vs {slo['p99_ttft_ms']:.0f} ms, "
+          f"TPOT p99 {tp['p99_tpot_ms']:.0f} vs {slo['p99_tpot_ms']:.0f} ms")
+    print(f"human tax of the SLO mode here: {1 - slo['total_token_throughput'] / tp['total_token_throughput']:.0%}"
+          " of throughput mode's throughput")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -170,10 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("demo", help="agent-shaped batch on the embedded default model")
+    p = sub.add_parser("demo", help="the human tax on the embedded default model: SLO vs throughput mode")
     p.add_argument("--model", default=None, help="model directory (default: embedded model)")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-prompt-len", type=int, default=1024)
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 
