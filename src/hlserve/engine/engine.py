@@ -16,7 +16,7 @@ from hlserve.config import EngineConfig
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.presets import describe_caps
 from hlserve.engine.scheduler import Scheduler
-from hlserve.errors import InvalidRequestError
+from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.request import (
     FinishReason,
     Request,
@@ -29,6 +29,7 @@ from hlserve.runner.base import Batch, Runner
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
+MAX_CONSECUTIVE_FAILURES = 3  # then the runner is broken, not one batch: the engine is dead
 
 
 class VirtualClock:
@@ -51,6 +52,7 @@ class EngineStats:
     generation_tokens: int = 0
     computed_tokens: int = 0  # tokens run through the model (recompute included)
     busy_time: float = 0.0
+    failed_steps: int = 0
 
 
 class Engine:
@@ -79,6 +81,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished: list[Request] = []  # ended outside a step (aborts), reported next step
         self.stats = EngineStats()
+        self._consecutive_failures = 0
         self.default_eos = frozenset(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
 
     # ---- intake -------------------------------------------------------------------------
@@ -89,6 +92,7 @@ class Engine:
         request_id: str | None = None,
         request_class: RequestClass | str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> Request:
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
@@ -98,7 +102,7 @@ class Engine:
             params=params,
             request_class=RequestClass(request_class or self.config.default_request_class),
             priority=priority,
-            arrival_time=self.clock(),
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.default_eos,
         )
         if request_id is not None:
@@ -178,7 +182,12 @@ class Engine:
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:  # the forward failed: fail this batch, keep serving the rest
+            self._fail_batch(batch, exc, touched)
+            return
+        self._consecutive_failures = 0
         if self._advance is not None:
             self._advance(result.elapsed)
         self.scheduler.observe(batch, result.elapsed)
@@ -193,6 +202,19 @@ class Engine:
             req = seq.request
             self._append(req, result.tokens[req.request_id], now)
             touched.append(req)
+
+    def _fail_batch(self, batch: Batch, exc: Exception, touched: list[Request]) -> None:
+        log.error("a forward failed; failing its %d requests: %s", len(batch), exc, exc_info=True)
+        self.stats.failed_steps += 1
+        self._consecutive_failures += 1
+        for seq in batch.seqs:
+            if not seq.request.finished:
+                self._finish(seq.request, FinishReason.ERROR, error=f"the forward failed: {exc}")
+                touched.append(seq.request)
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            raise EngineDeadError(
+                f"{self._consecutive_failures} forwards failed in a row; last: {exc}"
+            ) from exc
 
     def _append(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)

@@ -166,11 +166,17 @@ class EngineBridge:
             if eng.has_unfinished():
                 items = []
                 steps_before = eng.stats.steps
+                failed_before = eng.stats.failed_steps
                 try:
                     outputs = eng.step()
+                except EngineDeadError:
+                    raise  # the runner keeps failing: the loop dies, /health turns 503
                 except Exception as e:
                     self._step_failed(e, items)
                 else:
+                    if eng.stats.failed_steps > failed_before:  # the engine failed a batch
+                        self.metrics.engine_step_errors.labels(self.metrics.model_name).inc(
+                            eng.stats.failed_steps - failed_before)
                     if eng.stats.steps > steps_before:  # a batch ran: the failure streak ends
                         self._failed_steps = 0
                     self._count_retractions()
@@ -198,7 +204,7 @@ class EngineBridge:
                 try:
                     req = eng.add_request(sub.prompt, sub.params, request_id=sub.request_id,
                                           request_class=sub.request_class,
-                                          priority=sub.priority)
+                                          priority=sub.priority, arrival_time=sub.arrival)
                 except Exception as e:  # a bad request never takes the engine down
                     if not isinstance(e, InvalidRequestError):
                         log.exception("add_request failed for %s", sub.request_id)
@@ -226,6 +232,12 @@ class EngineBridge:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # failed earlier; its sink has been told
+            if out.finish_reason == "error":  # its forward failed (the engine went on)
+                del self._live[out.request_id]
+                live.metrics.success["error"].inc()
+                items.append((live.sub.sink, ("error", live.sub.index, RequestFailed(
+                    f"the engine failed on this request's batch: {out.error}"))))
+                continue
             try:
                 self._account(live, out)
             except Exception:  # metrics must never take the engine down
