@@ -83,8 +83,12 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both engines (default: torch's choice)")
     ap.add_argument("--result-file", type=Path)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model_dir = args.model
     if model_dir is None:
