@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from hlserve.bench.driver import compare_configs, format_comparison
 from hlserve.bench.workloads import AgentWorkload
 from hlserve.cli import default_model
@@ -35,8 +37,11 @@ def main() -> None:
     ap.add_argument("--system-prompt-len", type=int, default=1024)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--result-file", type=Path)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model or str(default_model())
     workload = AgentWorkload(sessions=args.sessions, rounds=args.rounds,
                              system_prompt_len=args.system_prompt_len)

@@ -502,3 +502,19 @@ def test_prefill_delay_holds_new_prefill() -> None:
         admits.append(len(e.scheduler.running) > n_running)
     gaps = [i for i, a in enumerate(admits) if a]
     assert all(b - a >= 4 for a, b in itertools.pairwise(gaps))
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_requests_arriving_together_share_their_prefix_prefill(defer: bool) -> None:
+    """Greedy admission would prefill a shared system prompt once per request of a burst;
+    holding the followers one iteration lets them hit the cache instead."""
+    e = engine_for(mode="throughput", defer_shared_prefill=defer)
+    system = prompt(1024, 0)
+    for i in range(8):
+        e.add_request([*system, *prompt(64, i + 1)], params(2))
+    run(e)
+    prefill = e.stats.computed_tokens - 8  # minus one decode step per request
+    if defer:
+        assert prefill <= 1024 + 8 * 64 + 8 * 16  # the system prompt once (plus page slack)
+    else:
+        assert prefill >= 8 * 1024

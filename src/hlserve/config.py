@@ -42,6 +42,7 @@ class EngineConfig:
     # policy parameters
     lpm_fcfs_fallback: int | None = None  # LPM becomes FCFS above this many waiting (SGLang: 128)
     lpm_aging: float = 0.0  # tokens of "virtual prefix" a request earns per iteration it waits
+    defer_shared_prefill: bool = False  # hold a request whose uncached prefix is being prefilled
     two_stage_high: float = 0.90  # KV use that (with pending prefill > evictable) enters decode-only
     two_stage_low: float = 0.70  # KV use below which mixing resumes
     ema_alpha: float = 0.1

@@ -54,7 +54,7 @@ def preset_options(name: str, dev: DeviceInfo) -> dict[str, Any]:
         return dict(
             mixing="prefill_first", chunk_size=sglang_chunk_size(dev), token_budget=None,
             max_prefill_tokens=16384, max_chunked_prefills=1, order="lpm",
-            lpm_fcfs_fallback=128, lpm_aging=0.0, admission="reserve",
+            lpm_fcfs_fallback=128, lpm_aging=0.0, admission="reserve", defer_shared_prefill=True,
             retraction="fewest_generated", budget_controller="fixed", prefill_delay=None,
             **_NO_CLASSES,
         )
@@ -78,6 +78,7 @@ def preset_options(name: str, dev: DeviceInfo) -> dict[str, Any]:
         return dict(
             mixing="two_stage", chunk_size=None, token_budget=None, budget_controller="ema",
             order="lpm", lpm_fcfs_fallback=None, lpm_aging=4.0, admission="backpressure",
+            defer_shared_prefill=True,
             retraction="fewest_generated", prefill_delay=None, max_chunked_prefills=None,
             max_prefill_tokens=None,
         )

@@ -40,6 +40,7 @@ from hlserve.runner.base import Batch, ScheduledSeq
 INTERACTIVE = RequestClass.INTERACTIVE
 # SGLang's estimate of how much of its max_tokens a running request will still use
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_STEPS = 0.7, 0.098, 600
+SHARED_SPAN_PAGES = 2  # uncached pages two requests must share for one to wait for the other
 
 
 def _cap(value: int | None) -> float:
@@ -194,6 +195,8 @@ class Scheduler:
             return  # the delayer holds new prefill to protect running decodes
         ps = self.kv.page_size
         mid_chunk = sum(1 for r in self.running if r.in_prefill)
+        span = SHARED_SPAN_PAGES * ps
+        computing: set[tuple[int, tuple[int, ...]]] = set()  # uncached runs being prefilled now
         for req in list(self._waiting_order()):
             if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
                 break
@@ -203,6 +206,14 @@ class Scheduler:
             nodes = self.kv.match_prefix(tokens, len(tokens) - 1)
             cached = len(nodes) * ps
             n = int(min(len(tokens) - cached, self._chunk, self._budget))
+            if cfg.defer_shared_prefill and len(tokens) - cached >= span:
+                # in-batch prefix sharing: a request whose next uncached tokens another
+                # request is prefilling in this very iteration waits one iteration and then
+                # finds them cached, instead of computing them a second time
+                run = (id(nodes[-1]) if nodes else 0, tuple(tokens[cached : cached + span]))
+                if run in computing:
+                    continue
+                computing.add(run)
             if n < len(tokens) - cached and cfg.max_chunked_prefills is not None \
                     and mid_chunk >= cfg.max_chunked_prefills:
                 break
@@ -268,6 +279,8 @@ class Scheduler:
             return  # the delayer holds new prefill to protect running decodes
         ps = self.kv.page_size
         mid_chunk = sum(1 for r in self.running if r.in_prefill)
+        span = SHARED_SPAN_PAGES * ps
+        computing: set[tuple[int, tuple[int, ...]]] = set()  # uncached runs being prefilled now
         for req in list(self._waiting_order()):
             if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
                 break
@@ -277,6 +290,14 @@ class Scheduler:
             nodes = self.kv.match_prefix(tokens, len(tokens) - 1)
             cached = len(nodes) * ps
             n = int(min(len(tokens) - cached, self._chunk, self._budget))
+            if cfg.defer_shared_prefill and len(tokens) - cached >= span:
+                # in-batch prefix sharing: a request whose next uncached tokens another
+                # request is prefilling in this very iteration waits one iteration and then
+                # finds them cached, instead of computing them a second time
+                run = (id(nodes[-1]) if nodes else 0, tuple(tokens[cached : cached + span]))
+                if run in computing:
+                    continue
+                computing.add(run)
             if n < len(tokens) - cached and cfg.max_chunked_prefills is not None \
                     and mid_chunk >= cfg.max_chunked_prefills:
                 break
