@@ -293,7 +293,9 @@ def test_lpm_pass_is_incremental_at_thousands_waiting() -> None:
 def test_lpm_with_1024_running_and_4096_waiting_schedules() -> None:
     e = engine_for(num_pages=1024 * 8 + 4096 * 8, mode="throughput", max_num_seqs=1024)
     shared = prompt(64, 0)
-    for i in range(1024 + 4096):
+    e.add_request([*shared, *prompt(40, 0)], params(8))
+    e.step()  # the shared prefix gets cached
+    for i in range(1024 + 4096 - 1):
         e.add_request([*shared, *prompt(40, i + 1)], params(8))
     e.step()
     assert len(e.scheduler.running) == 1024 and len(e.scheduler.waiting) == 4096
