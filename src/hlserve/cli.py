@@ -1,4 +1,5 @@
-"""``hlserve`` command line: tiny-model, generate, demo, serve."""
+"""``hlserve`` command line: tiny-model, generate, demo, serve, bench, sweep, cost, calibrate,
+study."""
 
 from __future__ import annotations
 
@@ -189,6 +190,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from hlserve.bench.cli import add_bench_args, add_sweep_args, cmd_bench, cmd_sweep
+
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (docs/bench.md)")
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("sweep", help="SLO knob sweep: frontier and human tax (docs/bench.md)")
+    add_sweep_args(p)
+    p.set_defaults(func=cmd_sweep)
+
+    from hlserve.sim.cli import (
+        add_calibrate_args,
+        add_cost_args,
+        add_study_args,
+        cmd_calibrate,
+        cmd_cost,
+        cmd_study,
+    )
+
+    for name, add, cmd, text in (
+        ("cost", add_cost_args, cmd_cost, "predicted time of one batch or prefill on a GPU"),
+        ("calibrate", add_calibrate_args, cmd_calibrate, "fit the cost model to this machine"),
+        ("study", add_study_args, cmd_study, "the simulated human-tax study (docs/study.md)"),
+    ):
+        p = sub.add_parser(name, help=text)
+        add(p)
+        p.set_defaults(func=cmd)
     return parser
 
 

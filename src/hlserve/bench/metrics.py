@@ -1,0 +1,222 @@
+"""Benchmark metrics: per-request records and the result summary.
+
+Key names follow vLLM's ``bench serve`` result JSON where vLLM has the quantity, so results
+from ``hlserve bench`` and ``vllm bench serve`` can be read by the same scripts; session keys
+are ours. Every time is measured by the client, on one monotonic clock
+(``time.perf_counter``), from the moment the request is sent.
+
+Definitions (n = output tokens of a request):
+
+- ``ttft``  = first content chunk received − request sent
+- ``e2el``  = last chunk received − request sent (end-to-end latency)
+- ``tpot``  = (e2el − ttft) / (n − 1), requests with n > 1 only (vLLM's definition)
+- ``itl``   = gaps between consecutive content chunks of a request, pooled over all
+  requests (a chunk that carries several tokens is one gap, as in vLLM)
+- ``duration`` = last request finished − benchmark started
+- ``request_throughput`` = completed / duration
+- ``output_throughput``  = total_output_tokens / duration
+- ``total_token_throughput`` = (total_input_tokens + total_output_tokens) / duration;
+  input tokens count every prompt token, prefix-cache hits included (``total_cached_tokens``
+  says how many the server reported as cached)
+- session completion time = the session's last round finished − its first round sent;
+  ``sessions_per_hour`` = completed sessions / duration × 3600
+- SLO: a request is *good* when it meets every target given (``ttft ≤ slo_ttft_ms``,
+  ``tpot ≤ slo_tpot_ms``, ``e2el ≤ slo_e2el_ms``; a one-token request has no TPOT and meets
+  that target); ``slo_attainment`` = good / completed; ``request_goodput`` = good / duration
+  (vLLM's definition); ``token_goodput`` = tokens (in + out) of good requests / duration.
+  With no target given, every completed request is good.
+- Statistics: ``mean``, ``median``, ``std``, ``p90``, ``p99`` (linear-interpolated
+  percentiles, numpy's default, as vLLM uses), in milliseconds for latencies; NaN-free:
+  a statistic of no values is ``null`` in the JSON.
+
+Token counts come from the server's ``usage`` when it sends one, else from the streamed
+chunks. Failed requests (an HTTP error, an error event in the stream, a dropped connection)
+count in ``failed`` and never in any throughput or latency; ``errors`` lists their messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+FORMULAS = {
+    "ttft": "first content chunk received - request sent",
+    "tpot": "(e2el - ttft) / (output_tokens - 1), requests with more than one output token",
+    "itl": "gaps between consecutive content chunks of a request",
+    "e2el": "last chunk received - request sent",
+    "duration": "last request finished - benchmark started",
+    "request_throughput": "completed / duration",
+    "output_throughput": "total_output_tokens / duration",
+    "total_token_throughput": "(total_input_tokens + total_output_tokens) / duration",
+    "session_time": "a session's last round finished - its first round sent",
+    "sessions_per_hour": "completed sessions / duration * 3600",
+    "slo_attainment": "requests meeting every given SLO target / completed requests",
+    "request_goodput": "requests meeting every given SLO target / duration",
+    "token_goodput": "input + output tokens of requests meeting every SLO target / duration",
+    "percentiles": "linear interpolation (numpy default), as vLLM",
+}
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "std", "p90", "p99")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds from the benchmark's start."""
+
+    request_id: str
+    session_id: int | None = None
+    round: int | None = None
+    start: float = 0.0  # sent
+    end: float = 0.0  # finished (success or failure)
+    chunk_times: list[float] = field(default_factory=list)  # content chunks received
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    expected_output_tokens: int | None = None  # what the workload asked for (max_tokens)
+    success: bool = False
+    error: str | None = None
+    status: int | None = None  # HTTP status
+    finish_reason: str | None = None
+    scheduled_at: float | None = None  # when the workload meant it to be sent (open loop)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def e2el(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        ttft = self.ttft
+        if ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2el - ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ttft"] = self.ttft
+        d["tpot"] = self.tpot
+        d["e2el"] = self.e2el
+        return d
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Targets in milliseconds; None: no target on that quantity."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+    def met(self, r: RequestRecord) -> bool:
+        if not r.success:
+            return False
+        if self.ttft_ms is not None and (r.ttft is None or 1e3 * r.ttft > self.ttft_ms):
+            return False
+        tpot = r.tpot
+        if self.tpot_ms is not None and tpot is not None and 1e3 * tpot > self.tpot_ms:
+            return False
+        return not (self.e2el_ms is not None and 1e3 * r.e2el > self.e2el_ms)
+
+
+def stat(values: Sequence[float], how: str) -> float | None:
+    if not values:
+        return None
+    a = np.asarray(values, dtype=float)
+    if how == "mean":
+        return float(a.mean())
+    if how == "median":
+        return float(np.median(a))
+    if how == "std":
+        return float(a.std())
+    if how.startswith("p"):
+        return float(np.percentile(a, float(how[1:])))
+    raise ValueError(how)
+
+
+def _stats(values: Sequence[float], name: str, unit: str, scale: float) -> dict[str, float | None]:
+    out = {}
+    for how in STATS:
+        v = stat(values, how)
+        out[f"{how}_{name}_{unit}"] = None if v is None else v * scale
+    return out
+
+
+def summarize(records: Iterable[RequestRecord], duration: float, slo: SLO = SLO(),
+              session_times: Sequence[float] = (), sessions_failed: int = 0,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The result JSON: vLLM ``bench serve`` keys, then session and SLO keys."""
+    recs = list(records)
+    ok = [r for r in recs if r.success]
+    bad = [r for r in recs if not r.success]
+    n_in = sum(r.prompt_tokens for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    dur = duration if duration > 0 else float("nan")
+    good = [r for r in ok if slo.met(r)]
+    ttft = [t for r in ok if (t := r.ttft) is not None]
+    tpot = [t for r in ok if (t := r.tpot) is not None]
+    itl = [g for r in ok for g in r.itls]
+    e2el = [r.e2el for r in ok]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    res: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(bad),
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(ok) / dur,
+        "request_goodput": len(good) / dur,
+        "output_throughput": n_out / dur,
+        "total_token_throughput": (n_in + n_out) / dur,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        res.update(_stats(values, name, "ms", 1e3))
+    res.update({
+        "total_cached_tokens": sum(cached) if cached else None,
+        "token_goodput": sum(r.prompt_tokens + r.output_tokens for r in good) / dur,
+        "slo_attainment": len(good) / len(ok) if ok else None,
+        "slo_ttft_ms": slo.ttft_ms,
+        "slo_tpot_ms": slo.tpot_ms,
+        "slo_e2el_ms": slo.e2el_ms,
+        "short_outputs": sum(1 for r in ok if r.expected_output_tokens is not None
+                             and r.output_tokens < r.expected_output_tokens),
+        "sessions_completed": len(session_times),
+        "sessions_failed": sessions_failed,
+        "sessions_per_hour": 3600.0 * len(session_times) / dur,
+    })
+    res.update(_stats(list(session_times), "session_time", "s", 1.0))
+    res["errors"] = error_counts(bad)
+    res["formulas"] = FORMULAS
+    if extra:
+        res.update(extra)
+    return {k: _clean(v) for k, v in res.items()}
+
+
+def error_counts(failed: Iterable[RequestRecord], limit: int = 20) -> dict[str, int]:
+    """Failure messages (cut to 300 characters) and how often each happened."""
+    c = Counter((r.error or f"HTTP {r.status}")[:300] for r in failed)
+    return dict(c.most_common(limit))
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v

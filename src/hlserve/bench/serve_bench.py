@@ -1,0 +1,333 @@
+"""``hlserve bench``: the agent-era benchmark against any OpenAI-compatible server.
+
+Three workloads, one client (:mod:`hlserve.bench.client`), one set of metrics
+(:mod:`hlserve.bench.metrics`):
+
+- ``agent``: closed loop. N sessions, each holding one concurrency slot; a session sends
+  round r the moment round r−1 completes (plus ``think_time``), and round r's prompt is
+  round r−1's prompt and output plus a new tool result. Lengths from
+  :class:`~hlserve.bench.workloads.AgentWorkload`'s distributions, or from the chains of a
+  Mooncake-format trace (``--trace``). A failed round ends its session (counted in
+  ``sessions_failed``; an agent that lost a round has lost its context).
+- ``chat``: open loop, Poisson arrivals at ``--request-rate`` (optionally capped at
+  ``--max-concurrency`` requests in flight), single-turn, unique prompts.
+- ``trace``: open-loop replay of a Mooncake-format trace by its timestamps times
+  ``--time-scale``, prompts built from its hash ids so the trace's prefix sharing holds.
+
+Every request is written to a JSONL file as it finishes (session, round, times, token
+counts, error); the result JSON has vLLM ``bench serve`` keys plus session and SLO keys.
+Failures are counted, listed by message, and printed: never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
+from hlserve.bench.metrics import SLO, RequestRecord, summarize
+from hlserve.bench.open_workloads import OpenRequest, ScaledTrace, trace_requests, trace_sessions
+from hlserve.bench.workloads import AgentWorkload, Dist, MooncakeTrace, PoissonChat
+
+WORKLOADS = ("agent", "chat", "trace")
+
+
+@dataclass
+class BenchSpec:
+    """Everything a bench run needs; the CLI fills it from flags."""
+
+    base_url: str
+    model: str | None = None
+    workload: str = "agent"
+    # agent
+    sessions: int = 16
+    rounds: int = 4
+    system_prompt_len: int = 512
+    task_len: int = 64
+    tool_output_len: tuple[int, int] = (64, 256)
+    output_len: tuple[int, int] = (16, 64)
+    think_time: float = 0.0
+    # chat
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    input_len: tuple[int, int] = (256, 1024)
+    max_concurrency: int | None = None
+    # trace (replay, or agent sessions from its chains)
+    trace: str | None = None
+    trace_start: float = 0.0  # seconds into the trace
+    trace_limit: int | None = None
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    output_scale: float | None = None
+    # all
+    vocab: tuple[int, int] = (3, 4096)
+    seed: int = 0
+    api_key: str | None = None
+    request_class: str | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    ignore_eos: bool = True
+    min_tokens: bool = False
+    temperature: float = 0.0
+    tokenizer: str | None = None
+    token_prompts: bool | None = None  # None: probe
+    return_token_ids: bool | None = None  # None: probe
+    timeout: float = 3600.0
+    slo: SLO = field(default_factory=SLO)
+    result_file: str | None = None
+    request_file: str | None = None  # per-request JSONL; default: beside result_file
+    record_ids: bool = False  # put prompt and output token ids in the JSONL
+    progress: bool = True
+    label: str | None = None
+
+
+class _Recorder:
+    """Collects records, writes the JSONL as they come, drives the progress bar."""
+
+    def __init__(self, spec: BenchSpec, total: int) -> None:
+        self.records: list[RequestRecord] = []
+        self.session_times: list[float] = []
+        self.sessions_failed = 0
+        self.out_tokens = 0
+        self.t0 = time.perf_counter()
+        self.record_ids = spec.record_ids
+        self.file: IO[str] | None = None
+        path = spec.request_file
+        if path is None and spec.result_file:
+            path = str(Path(spec.result_file).with_suffix("")) + ".requests.jsonl"
+        self.path = path
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w")  # noqa: SIM115
+        self.bar = tqdm(total=total, unit="req", desc=spec.label or spec.workload,
+                        disable=not spec.progress, dynamic_ncols=True)
+
+    def add(self, rec: RequestRecord, prompt: list[int] | None = None,
+            output: list[int] | None = None) -> None:
+        self.records.append(rec)
+        if rec.success:
+            self.out_tokens += rec.output_tokens
+        if self.file is not None:
+            row = rec.to_json()
+            if self.record_ids:
+                row["prompt_ids"] = prompt
+                row["output_ids"] = output
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        failed = sum(1 for r in self.records if not r.success)
+        elapsed = max(1e-9, time.perf_counter() - self.t0)
+        self.bar.set_postfix(failed=failed, out_tok_s=f"{self.out_tokens / elapsed:.0f}",
+                             refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
+
+
+async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec: _Recorder) -> None:
+    async def one(session: Any) -> None:
+        started: float | None = None
+        r: RequestRecord | None = None
+        while not session.done:
+            prompt, out_len = session.next_request()
+            r = RequestRecord(request_id=f"s{session.session_id}-r{session.round}",
+                              session_id=session.session_id, round=session.round)
+            output = await client.complete(prompt, out_len, r, rec.t0)
+            if started is None:
+                started = r.start
+            rec.add(r, prompt, output)
+            if output is None:
+                rec.sessions_failed += 1
+                return
+            session.complete(output)
+            if not session.done and spec.think_time > 0:
+                await asyncio.sleep(spec.think_time)
+        if r is not None and started is not None:
+            rec.session_times.append(r.end - started)
+
+    await asyncio.gather(*(one(s) for s in sessions))
+
+
+async def _open_loop(client: BenchClient, requests: list[OpenRequest], spec: BenchSpec,
+                     rec: _Recorder) -> None:
+    sem = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
+
+    async def one(i: int, req: OpenRequest) -> None:
+        delay = req.send_at - (time.perf_counter() - rec.t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        r = RequestRecord(request_id=f"q{i}", session_id=req.session_id, round=req.round,
+                          scheduled_at=req.send_at)
+        if sem is None:
+            output = await client.complete(req.prompt_ids, req.output_len, r, rec.t0)
+        else:
+            async with sem:
+                output = await client.complete(req.prompt_ids, req.output_len, r, rec.t0)
+        rec.add(r, req.prompt_ids, output)
+
+    await asyncio.gather(*(one(i, q) for i, q in enumerate(requests)))
+
+
+def _agent_sessions(spec: BenchSpec, info: ServerInfo) -> tuple[list[Any], dict[str, Any]]:
+    if spec.trace:
+        sessions = trace_sessions(_scaled_trace(spec), spec.sessions, spec.rounds,
+                                  max_len=info.max_model_len)
+        if len(sessions) < spec.sessions:
+            raise ValueError(f"the trace has only {len(sessions)} chains that fit; asked for "
+                             f"{spec.sessions} sessions")
+        return sessions, {"trace": spec.trace, "length_scale": spec.length_scale}
+    w = AgentWorkload(sessions=spec.sessions, rounds=spec.rounds,
+                      system_prompt_len=spec.system_prompt_len, task_len=spec.task_len,
+                      tool_output_len=spec.tool_output_len, output_len=spec.output_len,
+                      vocab=spec.vocab, seed=spec.seed)
+    longest = (w.system_prompt_len + w.task_len
+               + w.rounds * (w.tool_output_len[1] + w.output_len[1]))
+    if info.max_model_len is not None and longest > info.max_model_len:
+        raise ValueError(f"a session can reach {longest} tokens; the server's context is "
+                         f"{info.max_model_len}: lower --rounds or the lengths")
+    return w.sessions_list(), {"agent_workload": asdict(w)}
+
+
+def _scaled_trace(spec: BenchSpec) -> ScaledTrace:
+    trace = MooncakeTrace.load(spec.trace, limit=spec.trace_limit, start=spec.trace_start,
+                               vocab=spec.vocab, seed=spec.seed)
+    return ScaledTrace(trace, spec.length_scale, spec.output_scale)
+
+
+async def run_async(spec: BenchSpec) -> dict[str, Any]:
+    if spec.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {spec.workload!r}: {', '.join(WORKLOADS)}")
+    tokenizer = load_tokenizer(spec.tokenizer)
+    async with BenchClient(spec.base_url, spec.model, spec.api_key, spec.timeout,
+                           spec.extra_body, spec.request_class, tokenizer, spec.ignore_eos,
+                           spec.min_tokens, spec.temperature) as client:
+        info = await client.probe(spec.token_prompts, spec.return_token_ids)
+        extra: dict[str, Any] = {}
+        if spec.workload == "agent":
+            sessions, extra = _agent_sessions(spec, info)
+            total = sum(len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
+                        for s in sessions)
+            rec = _Recorder(spec, total)
+            try:
+                await _agent(client, sessions, spec, rec)
+            finally:
+                rec.close()
+            concurrency: int | None = len(sessions)
+            rate = math.inf
+        else:
+            if spec.workload == "chat":
+                w = PoissonChat(rate=spec.request_rate, num_requests=spec.num_prompts,
+                                system_prompt_len=spec.system_prompt_len,
+                                prompt_len=Dist.uniform(*spec.input_len),
+                                output_len=Dist.uniform(*spec.output_len), vocab=spec.vocab,
+                                seed=spec.seed)
+                requests = [OpenRequest(a.time, a.prompt, a.max_tokens, session_id=a.key)
+                            for a in w.arrivals()]
+                extra = {"chat_workload": {k: str(v) for k, v in asdict(w).items()}}
+                rate = spec.request_rate
+            else:
+                if not spec.trace:
+                    raise ValueError("--workload trace needs --trace FILE")
+                requests, skipped = trace_requests(_scaled_trace(spec), spec.time_scale,
+                                                   info.max_model_len)
+                extra = {"trace": spec.trace, "time_scale": spec.time_scale,
+                         "length_scale": spec.length_scale, "trace_skipped_too_long": skipped}
+                span = requests[-1].send_at - requests[0].send_at if requests else 0.0
+                rate = len(requests) / span if span > 0 else math.inf
+            rec = _Recorder(spec, len(requests))
+            try:
+                await _open_loop(client, requests, spec, rec)
+            finally:
+                rec.close()
+            concurrency = spec.max_concurrency
+    duration = max((r.end for r in rec.records), default=0.0)
+    out_src = "server" if info.return_token_ids else (
+        "tokenizer" if tokenizer is not None else "placeholder")
+    meta = {
+        "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai-completions",
+        "label": spec.label,
+        "base_url": client.root,
+        "model_id": info.model,
+        "workload": spec.workload,
+        "num_prompts": len(rec.records),
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "max_concurrency": concurrency,
+        "prompt_format": "token_ids" if info.token_prompts else "text",
+        "output_ids_source": out_src,
+        "server_max_model_len": info.max_model_len,
+        "probe": {"requests": info.probe_requests, "prompt_tokens": info.probe_prompt_tokens,
+                  "output_tokens": info.probe_output_tokens},
+        "notes": info.notes,
+        "request_file": rec.path,
+        **extra,
+    }
+    res = summarize(rec.records, duration, spec.slo, rec.session_times, rec.sessions_failed,
+                    meta)
+    if spec.result_file:
+        Path(spec.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(spec.result_file).write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+def run_bench(spec: BenchSpec) -> dict[str, Any]:
+    """Run one benchmark to completion (``asyncio.run``) and return the result dict."""
+    return asyncio.run(run_async(spec))
+
+
+def format_result(res: dict[str, Any]) -> str:
+    """vLLM's result block, plus the session and SLO lines."""
+
+    def f(key: str, fmt: str = "{:.2f}") -> str:
+        v = res.get(key)
+        return "n/a" if v is None else fmt.format(v)
+
+    lines = [
+        "{:=^64}".format(f" Benchmark result: {res.get('label') or res.get('workload')} "),
+        f"{'Successful requests:':<44}{res['completed']:>20}",
+        f"{'Failed requests:':<44}{res['failed']:>20}",
+        f"{'Benchmark duration (s):':<44}{f('duration'):>20}",
+        f"{'Total input tokens:':<44}{res['total_input_tokens']:>20}",
+        f"{'  of which cached (server-reported):':<44}{f('total_cached_tokens', '{}'):>20}",
+        f"{'Total generated tokens:':<44}{res['total_output_tokens']:>20}",
+        f"{'Request throughput (req/s):':<44}{f('request_throughput'):>20}",
+        f"{'Output token throughput (tok/s):':<44}{f('output_throughput'):>20}",
+        f"{'Total token throughput (tok/s):':<44}{f('total_token_throughput'):>20}",
+    ]
+    def row(title: str, value: str) -> str:
+        return f"{title:<44}{value:>20}"
+
+    def quad(prefix: str, suffix: str, fmt: str) -> str:
+        return "/".join(f(f"{how}_{prefix}_{suffix}", fmt) for how in ("mean", "median", "p90",
+                                                                       "p99"))
+
+    if res.get("sessions_completed") or res.get("sessions_failed"):
+        lines += [
+            row("Sessions completed / failed:",
+                f"{res['sessions_completed']} / {res['sessions_failed']}"),
+            row("Sessions per hour:", f("sessions_per_hour", "{:.1f}")),
+            row("Session time mean/p50/p90/p99 (s):", quad("session_time", "s", "{:.1f}")),
+        ]
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        lines.append(row(f"{title} mean/p50/p90/p99 (ms):", quad(name, "ms", "{:.0f}")))
+    if any(res.get(k) is not None for k in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2el_ms")):
+        lines.append(f"{'SLO attainment:':<44}{f('slo_attainment', '{:.1%}'):>20}")
+        lines.append(f"{'Request goodput (req/s):':<44}{f('request_goodput'):>20}")
+    if res.get("short_outputs"):
+        lines.append(f"{'Outputs shorter than asked:':<44}{res['short_outputs']:>20}")
+    for note in res.get("notes") or ():
+        lines.append(f"note: {note}")
+    if res.get("errors"):
+        lines.append("Failures (count: message):")
+        lines += [f"  {n}: {msg}" for msg, n in res["errors"].items()]
+    lines.append("=" * 64)
+    return "\n".join(lines)

@@ -1,0 +1,444 @@
+"""``hlserve sweep``: one benchmark across serving configurations, and the human tax.
+
+The SLO knobs are the prefill chunk size C (TTFT) and the per-iteration token budget B
+(TPOT). Each point of the sweep is one configuration, run with the same closed-loop agent
+workload, on a fresh engine or server (nothing cached, nothing queued, from one point to the
+next). Three ways to run a point:
+
+- **in-process hlserve, real runner** (default): ``build_engine(model, **base, chunk_size=C,
+  token_budget=B)``, driven directly (no HTTP), timed on the wall clock;
+- **in-process hlserve, simulated runner** (``--sim HARDWARE``): the same scheduler on the
+  cost model of a GPU (``hlserve.runner.sim_runner``), timed on the virtual clock;
+- **an external server per point** (``--server-cmd TEMPLATE``): the template is formatted
+  with ``{model} {host} {port} {chunk_size} {token_budget} {label} {args}``, started in its
+  own process group, waited for (``GET /health`` answers 200), benchmarked over HTTP with
+  ``hlserve bench``'s client, then stopped (SIGINT, then SIGTERM, then SIGKILL to the whole
+  group) and its port checked free before the next point starts.
+
+Output (``--out DIR``): ``points/<label>.json`` (each point's full result) and
+``points/<label>.requests.jsonl``, ``sweep.json`` (every result, the knobs, the command),
+``frontier.png`` and ``tax.md`` (the per-point table and the human-tax table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+from hlserve.bench import report
+from hlserve.bench.client import ServerInfo
+from hlserve.bench.metrics import RequestRecord, summarize
+from hlserve.bench.serve_bench import BenchSpec, _agent_sessions, _Recorder, run_bench
+from hlserve.errors import InvalidRequestError
+from hlserve.request import SamplingParams
+
+UNLIMITED = ("none", "unlimited", "inf", "off")
+
+
+# ---- points -------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    label: str
+    chunk_size: int | None = None
+    token_budget: int | None = None
+    args: list[str] = field(default_factory=list)  # extra engine/server flags of this point
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        return {"chunk_size": self.chunk_size, "token_budget": self.token_budget}
+
+
+def parse_sizes(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        out.append(None if part in UNLIMITED else int(part))
+    return out
+
+
+def make_points(chunk_sizes: list[int | None], token_budgets: str = "same",
+                add_points: list[str] = ()) -> list[Point]:
+    """The grid C x B (``token_budgets``: ``same`` for B = C, as vLLM's one knob; ``none``
+    for no budget; or a list), then the ``LABEL=FLAGS`` points of ``add_points``."""
+    points: list[Point] = []
+    budgets: list[int | None] | None = None
+    if token_budgets.strip().lower() != "same":
+        budgets = parse_sizes(token_budgets)
+    for c in chunk_sizes:
+        for b in ([c] if budgets is None else budgets):
+            name = f"C={c or 'none'}" if budgets is None else f"C={c or 'none'},B={b or 'none'}"
+            points.append(Point(name, c, b))
+    for spec in add_points:
+        label, _, flags = spec.partition("=")
+        if not label or not flags:
+            raise ValueError(f"--add-point takes LABEL=FLAGS, got {spec!r}")
+        points.append(Point(label.strip(), None, None, shlex.split(flags)))
+    return points
+
+
+# ---- in-process ---------------------------------------------------------------------------
+
+
+def engine_options_from_args(argv: list[str]) -> dict[str, Any]:
+    """hlserve engine flags (``--mode throughput --dtype bfloat16 ...``) as engine options."""
+    import argparse
+
+    from hlserve.cli import add_engine_args, engine_options
+
+    p = argparse.ArgumentParser(prog="engine-args", add_help=False)
+    add_engine_args(p)
+    return engine_options(p.parse_args(argv))
+
+
+def session_rounds(s: Any) -> int:
+    """Rounds of an AgentSession or a TraceSession."""
+    return len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
+
+
+def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[str, Any]:
+    """The agent closed loop on an in-process engine: each session's next round is added in
+    the iteration its last one finished. Times on the engine's clock (wall or virtual); one
+    token per chunk, so ITL is the gap between tokens."""
+    clock = engine.clock
+    rec = _Recorder(spec, sum(session_rounds(s) for s in sessions))
+    t0 = clock()
+    inflight: dict[str, tuple[Any, Any, RequestRecord, list[int]]] = {}
+    started: dict[int, float] = {}
+
+    def submit(s: Any) -> None:
+        prompt, out_len = s.next_request()
+        r = RequestRecord(request_id=f"s{s.session_id}-r{s.round}", session_id=s.session_id,
+                          round=s.round, start=clock() - t0, prompt_tokens=len(prompt),
+                          expected_output_tokens=out_len)
+        started.setdefault(s.session_id, r.start)
+        try:
+            req = engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0,
+                                                            ignore_eos=True))
+        except InvalidRequestError as e:
+            r.end, r.error = r.start, f"rejected: {e}"
+            rec.add(r, prompt, None)
+            rec.sessions_failed += 1
+            return
+        inflight[req.request_id] = (s, req, r, prompt)
+
+    try:
+        for s in sessions:
+            submit(s)
+        while inflight:
+            for out in engine.step():
+                if not out.finished or out.request_id not in inflight:
+                    continue
+                s, req, r, prompt = inflight.pop(out.request_id)
+                r.chunk_times = [t - t0 for t in req.token_times]
+                r.end = (out.metrics.get("finish_time") or clock()) - t0
+                r.output_tokens = len(out.token_ids)
+                r.cached_tokens = out.num_cached_tokens
+                r.finish_reason = str(getattr(out.finish_reason, "value", out.finish_reason))
+                if r.finish_reason not in ("stop", "length") or not out.token_ids:
+                    r.error = f"finished with {r.finish_reason}: {out.error or ''}".strip()
+                    rec.add(r, prompt, None)
+                    rec.sessions_failed += 1
+                    continue
+                r.success = True
+                rec.add(r, prompt, list(out.token_ids))
+                s.complete(out.token_ids)
+                if s.done:
+                    rec.session_times.append(r.end - started[s.session_id])
+                else:
+                    submit(s)
+    finally:
+        rec.close()
+    duration = max((r.end for r in rec.records), default=0.0)
+    return summarize(rec.records, duration, spec.slo, rec.session_times, rec.sessions_failed,
+                     {"backend": "in-process", "label": spec.label, "workload": "agent",
+                      "max_concurrency": len(sessions), "num_prompts": len(rec.records),
+                      "request_file": rec.path, "clock": "virtual" if hasattr(clock, "advance")
+                      else "wall"})
+
+
+def _warm_up(engine: Any) -> None:
+    engine.add_request([5, 6, 7, 8] * 8, SamplingParams(max_tokens=4, temperature=0.0,
+                                                         ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: BenchSpec,
+                        sim: str | None = None, tp: int = 1) -> dict[str, Any]:
+    opts = dict(base)
+    own = engine_options_from_args(point.args)
+    if {"mode", "preset"} & own.keys():  # a point with its own preset replaces the base's
+        opts.pop("mode", None)
+        opts.pop("preset", None)
+    opts.update(own)
+    if not point.args:  # a grid point: its knobs win
+        opts["chunk_size"] = point.chunk_size
+        opts["token_budget"] = point.token_budget
+    opts = {k: v for k, v in opts.items() if v is not None or k in ("chunk_size", "token_budget")}
+    if sim:
+        from hlserve.sim.build import build_sim_engine
+
+        engine = build_sim_engine(model, sim, tp=tp, **opts)
+    else:
+        from hlserve.llm import build_engine
+
+        engine = build_engine(model, **opts)
+        _warm_up(engine)
+    try:
+        info = ServerInfo(model=model, max_model_len=engine.max_model_len)
+        sessions, extra = _agent_sessions(spec, info)
+        res = run_engine_agent(engine, sessions, spec)
+        res.update(extra)
+        res["engine_options"] = dict(opts)  # as asked
+        res["engine_config"] = dataclasses.asdict(engine.config)  # as resolved (presets)
+        res["engine_caps"] = getattr(engine, "caps_report", None)
+        res["retractions"] = engine.scheduler.num_retractions
+        return res
+    finally:
+        del engine
+        gc.collect()
+
+
+# ---- external servers ---------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex((host, port)) != 0
+
+
+class ExternalServer:
+    """A server command in its own process group: started, waited for on ``/health``,
+    stopped with SIGINT, SIGTERM, then SIGKILL to the whole group."""
+
+    def __init__(self, cmd: list[str], host: str, port: int, log_path: Path | None = None,
+                 env: dict[str, str] | None = None, health_timeout: float = 600.0,
+                 stop_timeout: float = 20.0) -> None:
+        self.cmd, self.host, self.port = cmd, host, port
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.health_timeout = health_timeout
+        self.stop_timeout = stop_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log_tail(self, n: int = 3000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) used so far by the server's process group, all its
+        processes: on a machine shared with other jobs, tokens per server CPU-second is a
+        fairer comparison than tokens per wall-second. Linux only; None elsewhere."""
+        if self.proc is None or not Path("/proc").is_dir():
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp: the group started with the server
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / tick
+
+    def start(self) -> ExternalServer:
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "wb")  # noqa: SIM115
+        out = self._log if self._log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        deadline = time.monotonic() + self.health_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"the server exited with {code} before answering /health; "
+                                   f"command: {shlex.join(self.cmd)}; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"the server did not answer /health within {self.health_timeout}s; "
+                           f"log tail:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        for sig, wait in ((signal.SIGINT, self.stop_timeout), (signal.SIGTERM, 10.0),
+                          (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+        if pgid is not None:  # children left behind in the group (engine workers, ...)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while not port_free(self.host, self.port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+    def __enter__(self) -> ExternalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def server_command(template: str, point: Point, model: str, host: str, port: int,
+                   unlimited_value: int | None) -> list[str]:
+    def knob(v: int | None, name: str) -> str:
+        if v is not None:
+            return str(v)
+        if unlimited_value is None and "{" + name + "}" in template:
+            raise ValueError(f"point {point.label} has no {name} (unlimited) and the server "
+                             f"command uses {{{name}}}: give --unlimited-value N")
+        return str(unlimited_value)
+
+    text = template.format(model=model, host=host, port=port, label=point.label,
+                           chunk_size=knob(point.chunk_size, "chunk_size"),
+                           token_budget=knob(point.token_budget, "token_budget"),
+                           args=shlex.join(point.args))
+    return shlex.split(text)
+
+
+def run_server_point(template: str, model: str, point: Point, spec: BenchSpec, out_dir: Path,
+                     unlimited_value: int | None, health_timeout: float,
+                     env: dict[str, str] | None = None) -> dict[str, Any]:
+    host = "127.0.0.1"
+    port = free_port(host)
+    cmd = server_command(template, point, model, host, port, unlimited_value)
+    log = out_dir / "points" / f"{_slug(point.label)}.server.log"
+    with ExternalServer(cmd, host, port, log, env, health_timeout) as srv:
+        res = run_bench(replace(spec, base_url=srv.url))
+    res["server_command"] = shlex.join(cmd)
+    res["server_log"] = str(log)
+    return res
+
+
+# ---- the sweep ----------------------------------------------------------------------------
+
+
+@dataclass
+class SweepSpec:
+    model: str
+    points: list[Point]
+    bench: BenchSpec
+    out_dir: Path
+    engine_args: list[str] = field(default_factory=list)
+    server_cmd: str | None = None
+    unlimited_value: int | None = None
+    health_timeout: float = 600.0
+    sim: str | None = None
+    tp: int = 1
+    targets: list[tuple[float | None, float | None]] | None = None
+    threads: int | None = None  # torch threads in-process; OMP_NUM_THREADS for a server
+    command: str = ""
+    title: str = ""
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
+
+
+def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
+    out = sw.out_dir
+    (out / "points").mkdir(parents=True, exist_ok=True)
+    base = engine_options_from_args(sw.engine_args) if sw.server_cmd is None else {}
+    env = None
+    if sw.threads:
+        env = {"OMP_NUM_THREADS": str(sw.threads)}
+        if sw.server_cmd is None:
+            import torch
+
+            torch.set_num_threads(sw.threads)
+    results: list[dict[str, Any]] = []
+    for i, point in enumerate(sw.points):
+        log(f"[{i + 1}/{len(sw.points)}] {point.label} {point.knobs} {shlex.join(point.args)}")
+        path = out / "points" / f"{_slug(point.label)}.json"
+        spec = replace(sw.bench, label=point.label, result_file=str(path))
+        t = time.perf_counter()
+        try:
+            if sw.server_cmd is not None:
+                res = run_server_point(sw.server_cmd, sw.model, point, spec, out,
+                                       sw.unlimited_value, sw.health_timeout, env)
+            else:
+                res = run_inprocess_point(sw.model, base, point, spec, sw.sim, sw.tp)
+                path.write_text(json.dumps(res, indent=2) + "\n")
+        except Exception as e:  # one broken point is reported, the sweep goes on
+            log(f"    point {point.label} failed: {type(e).__name__}: {e}")
+            res = {"completed": 0, "failed": None, "error": f"{type(e).__name__}: {e}"}
+        res["wall_s"] = time.perf_counter() - t
+        results.append({"label": point.label, "knobs": point.knobs, "args": point.args,
+                        "result": res})
+        if res.get("completed"):
+            log(f"    {res['total_token_throughput']:.0f} tok/s total, "
+                f"{res['output_throughput']:.1f} out; p99 TTFT {res['p99_ttft_ms']:.0f} ms, "
+                f"p99 TPOT {res['p99_tpot_ms'] or float('nan'):.0f} ms; session p50 "
+                f"{res['median_session_time_s'] or float('nan'):.1f}s; failed {res['failed']}; "
+                f"{res['wall_s']:.0f}s")
+    rows = report.tax_rows(results, sw.targets)
+    png = report.frontier_plot(results, out / "frontier.png", sw.title)
+    table = report.points_table(results)
+    tax = report.tax_table(rows)
+    (out / "tax.md").write_text(
+        f"# Sweep: {sw.title or sw.model}\n\nCommand:\n\n```\n{sw.command}\n```\n\n"
+        f"## Points\n\n{table}\n\n## Human tax\n\nTax = 1 − best throughput meeting the "
+        f"target / best throughput of any point (total token throughput).\n\n{tax}\n")
+    summary = {"command": sw.command, "model": sw.model, "engine_args": sw.engine_args,
+               "threads": sw.threads,
+               "server_cmd": sw.server_cmd, "sim": sw.sim, "points": results,
+               "tax": rows, "frontier_png": str(png), "python": sys.version.split()[0]}
+    (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    log("\n" + table + "\n\n" + tax)
+    return summary

@@ -1,0 +1,231 @@
+"""Command-line entry points of the simulator: ``hlserve cost``, ``hlserve calibrate``,
+``hlserve study``. Each is an ``add_*_args(parser)`` / ``cmd_*(args)`` pair for the main CLI;
+``python -m hlserve.sim.cli {cost,calibrate,study} ...`` runs them standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# ---- hlserve cost --------------------------------------------------------------------------------
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", default="H20",
+                   help="H20 | H100 | H200 | A100 | L40S, or a profile JSON from 'hlserve calibrate'")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 1, or NxGPU's N)")
+    p.add_argument("--model", default="Qwen2.5-32B", help="a known model name or a config.json / model dir")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prefill", type=int, metavar="N", help="a whole prefill of N tokens")
+    what.add_argument("--decode-batch", type=int, metavar="B", help="one decode iteration of B sequences")
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of C tokens")
+    p.add_argument("--context", type=int, default=0,
+                   help="decode: tokens per sequence; prefill: tokens already cached before it")
+    p.add_argument("--mixed-prefill", type=int, default=0, metavar="C",
+                   help="decode: a prefill chunk of C tokens shares the iteration")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _fmt(x: float) -> str:
+    return f"{1e3 * x:9.3f} ms"
+
+
+def cmd_cost(args: argparse.Namespace) -> None:
+    from hlserve.sim.cost import CostModel
+    from hlserve.sim.hardware import get_hardware, parse_cluster
+    from hlserve.sim.models import resolve_model
+
+    hw = get_hardware(args.hardware)
+    tp = args.tp or parse_cluster(str(args.hardware))[1] or 1
+    name, mc = resolve_model(args.model)
+    cm = CostModel(mc, hw, tp)
+    out: dict = {"model": name, "hardware": hw.name, "tp": tp}
+    if args.prefill is not None:
+        bd = cm.prefill(args.prefill, args.chunk_size, args.context)
+        ref = cm.prefill(args.prefill, None, args.context)
+        head = (f"prefill of {args.prefill} tokens"
+                + (f" after {args.context} cached" if args.context else "")
+                + (f" in chunks of {args.chunk_size} ({bd.iterations} iterations)"
+                   if args.chunk_size else " in one pass"))
+        out.update(kind="prefill", tokens=args.prefill, chunk_size=args.chunk_size,
+                   context=args.context, tokens_per_s=args.prefill / bd.total, **bd.as_dict())
+        if args.chunk_size:
+            out["unchunked_ms"] = 1e3 * ref.total
+            out["chunking_overhead"] = bd.total / ref.total - 1
+    else:
+        if args.decode_batch < 1 and not args.mixed_prefill:
+            raise ValueError("--decode-batch must be >= 1")
+        if args.decode_batch and args.context < 1:
+            raise ValueError("--decode-batch needs --context L (tokens per sequence)")
+        bd = cm.decode(args.decode_batch, args.context, args.mixed_prefill)
+        head = (f"decode iteration: {args.decode_batch} sequences at {args.context} tokens"
+                + (f" + a {args.mixed_prefill}-token prefill chunk" if args.mixed_prefill else ""))
+        out.update(kind="decode", batch=args.decode_batch, context=args.context,
+                   mixed_prefill=args.mixed_prefill,
+                   decode_tokens_per_s=args.decode_batch / bd.total, **bd.as_dict())
+        if args.mixed_prefill:
+            pure = cm.decode(args.decode_batch, args.context)
+            out["pure_decode_ms"] = 1e3 * pure.total
+            out["decode_slowdown"] = 1 - pure.total / bd.total
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"{name} on {tp}x{hw.name}: {head}")
+    print(f"  predicted {_fmt(bd.total).strip()}, bound by {bd.bound} "
+          f"({100 * getattr(bd, bd.bound) / bd.total:.0f}%)")
+    for kind in ("compute", "memory", "communication", "overhead"):
+        v = getattr(bd, kind)
+        if v > 0:
+            print(f"    {kind:<14}{_fmt(v)}")
+    print("  by component:")
+    for part, v in sorted(bd.parts.items(), key=lambda kv: -kv[1]):
+        print(f"    {part:<18}{_fmt(v)}")
+    if out["kind"] == "prefill":
+        print(f"  {out['tokens_per_s']:.0f} prefill tokens/s")
+        if args.chunk_size:
+            print(f"  unchunked: {out['unchunked_ms']:.1f} ms; chunking costs "
+                  f"{100 * out['chunking_overhead']:+.1f}%")
+    else:
+        print(f"  TPOT {1e3 * bd.total:.1f} ms, {out['decode_tokens_per_s']:.0f} decode tokens/s")
+        if args.mixed_prefill:
+            print(f"  pure decode: {out['pure_decode_ms']:.1f} ms; the mixed chunk lowers decode "
+                  f"throughput by {100 * out['decode_slowdown']:.0f}%")
+
+
+# ---- hlserve calibrate ---------------------------------------------------------------------------
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model directory to time (default: build the embedded tiny qwen2 model)")
+    p.add_argument("--out", default="cpu_profile.json", help="profile JSON to write")
+    p.add_argument("--name", default=None, help="profile name (default: cpu or cuda)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: steadier timings)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (about 10 s on a CPU)")
+    p.add_argument("--no-fidelity", dest="fidelity", action="store_false",
+                   help="skip the check against a real run of a different workload")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _tiny_model_dir() -> str:
+    import os
+
+    from hlserve.models.tiny import make_tiny_model
+
+    home = Path(os.environ.get("HLSERVE_HOME", Path.home() / ".cache" / "hlserve"))
+    path = home / "models" / "qwen2-tiny"
+    if not (path / "config.json").exists():
+        make_tiny_model(path, arch="qwen2", size="tiny", seed=0)
+    return str(path)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from hlserve.sim.calibrate import calibrate, fidelity, write_profile
+
+    model = args.model or _tiny_model_dir()
+    name = args.name or args.device.split(":")[0]
+    cal = calibrate(model, name=name, threads=args.threads, quick=args.quick, device=args.device,
+                    progress=not args.json)
+    write_profile(cal, args.out)
+    report = {"profile": str(args.out), "calibration": cal.report}
+    if args.fidelity:
+        report["fidelity"] = fidelity(model, cal.hardware, device=args.device, threads=args.threads)
+        Path(str(args.out) + ".report.json").write_text(json.dumps(report, indent=2, default=str))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    print(f"wrote {args.out} (use it as --hardware {args.out})")
+    if args.fidelity:
+        f = report["fidelity"]
+        pi, e2e = f["per_iteration"], f["end_to_end"]
+        print(f"fidelity on a different workload ({f['workload']['sessions']} sessions x "
+              f"{f['workload']['rounds']} rounds, {f['engine_options']}), real run "
+              f"{f['real_wall_s']:.1f}s, {f['iterations']['real']} iterations:")
+        print(f"  per iteration: median |error| {100 * pi['median_abs_err']:.1f}%, p90 "
+              f"{100 * pi['p90_abs_err']:.1f}%, total time {100 * pi['sum_err']:+.1f}%")
+        print(f"  end to end: throughput {e2e['real_total_token_throughput']:.0f} real vs "
+              f"{e2e['sim_total_token_throughput']:.0f} simulated tok/s "
+              f"({100 * e2e['throughput_err']:+.1f}%); median TPOT {e2e['real_median_tpot_ms']:.1f} vs "
+              f"{e2e['sim_median_tpot_ms']:.1f} ms")
+        dc = f["drift_corrected"]
+        print(f"  the machine ran at {1 / f['machine_drift']:.2f}x its calibrated speed (probe "
+              f"batches); corrected for that: per iteration {100 * dc['per_iteration_median_abs_err']:.1f}%, "
+              f"total {100 * dc['per_iteration_sum_err']:+.1f}%, throughput {100 * dc['throughput_err']:+.1f}%")
+
+
+# ---- hlserve study -------------------------------------------------------------------------------
+
+
+def add_study_args(p: argparse.ArgumentParser) -> None:
+    from hlserve.sim.study import DEFAULT_SYSTEMS
+
+    p.add_argument("--hardware", default="H20")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--model", default="Qwen2.5-32B")
+    p.add_argument("--contexts", default="8192,32768,65536", help="comma-separated context lengths")
+    p.add_argument("--sessions", default="16,64,128", help="comma-separated concurrency levels")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="sglang, sarathi, vllm, hlserve (throughput mode), ablations")
+    p.add_argument("--chunks", default=None, help="chunk sizes / budgets to sweep (default per system)")
+    p.add_argument("--duration", type=float, default=1200.0, help="simulated seconds measured")
+    p.add_argument("--warmup", type=float, default=600.0,
+                   help="simulated seconds before measuring (sessions ramp up over half of it)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per agent session")
+    p.add_argument("--out", default="study", help="output folder (per-point JSON, plots, table)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
+    p.add_argument("--wall-limit", type=float, default=900.0, help="wall seconds per point at most")
+    p.add_argument("--report-only", action="store_true", help="plots and table from existing points")
+
+
+def cmd_study(args: argparse.Namespace) -> None:
+    from hlserve.sim.study import StudySpec, report, run_study
+
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    spec = StudySpec(
+        hardware=args.hardware, tp=args.tp, model=args.model, contexts=tuple(ints(args.contexts)),
+        sessions=tuple(ints(args.sessions)), systems=tuple(s for s in args.systems.split(",") if s),
+        chunks=tuple(ints(args.chunks)) if args.chunks else None, duration=args.duration,
+        warmup=args.warmup, rounds=args.rounds, wall_limit=args.wall_limit,
+    )
+    out = Path(args.out)
+    if not args.report_only:
+        run_study(spec, out, jobs=args.jobs, progress=True)
+    paths = report(out)
+    for p in paths:
+        print(f"wrote {p}")
+
+
+# ---- standalone ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hlserve.sim.cli", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("cost", help="the cost model as a calculator for one batch or prefill")
+    add_cost_args(p)
+    p.set_defaults(func=cmd_cost)
+    p = sub.add_parser("calibrate", help="measure this machine into a hardware profile")
+    add_calibrate_args(p)
+    p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("study", help="the human-tax sweep on a simulated machine")
+    add_study_args(p)
+    p.set_defaults(func=cmd_study)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"hlserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""The human-tax study: sweep the SLO knobs of each system over context length and
+concurrency on a simulated machine, and trace the throughput-versus-SLO frontier.
+
+A point is (system, C or B, context, sessions). Systems are the presets (``sglang`` sweeps
+its chunk size C; ``sarathi`` its C = B; ``vllm`` its token budget B), throughput mode
+(``hlserve``) and throughput mode with one component turned off at a time (the ablations
+below). Each point runs the closed-loop agent workload at constant concurrency
+(``run_agent_steady``) on an Engine with the real Scheduler and KV cache and a SimRunner, and
+writes one JSON file; a sweep skips the points already written (resumable) and runs the rest
+in parallel processes. ``report`` turns the points into frontier plots (throughput against
+TTFT p99 and TPOT p99, Pareto front marked), a plot of the human tax against the SLO target,
+a markdown table and ``summary.json``.
+
+Human tax at an SLO target (TTFT p99 <= x, TPOT p99 <= y), per context and concurrency:
+``1 - best throughput among points meeting it / best throughput of all points``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+INF = None  # an unset cap
+
+# system -> (options, knob swept, default sweep)
+ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {
+    "hlserve-chunked": ({"chunk_size": 8192}, "greedy prefill off: chunks of 8192 (SGLang's H20 default)"),
+    "hlserve-mix_always": ({"mixing": "always"}, "two-stage mixing off: naive mixing every iteration"),
+    "hlserve-prefill_first": ({"mixing": "prefill_first"}, "two-stage mixing off: prefill-first (no mixing)"),
+    "hlserve-ratchet": ({"budget_controller": "ratchet"}, "EMA budget off: the ratchet baseline controller"),
+    "hlserve-no_budget": ({"budget_controller": "fixed"}, "EMA budget off: no budget at all"),
+    "hlserve-fcfs": ({"order": "fcfs"}, "LPM off: FCFS order"),
+}
+SWEEPS: dict[str, tuple[int | None, ...]] = {
+    "sglang": (512, 1024, 2048, 4096, 8192, None),
+    "sarathi": (256, 512, 1024, 2048, 4096, 8192),
+    # below 8192, vLLM's budget B is the same policy as Sarathi's C = B (mixed, FCFS, LIFO)
+    "vllm": (8192, 16384, None),
+}
+DEFAULT_SYSTEMS = ("sglang", "sarathi", "vllm", "hlserve", *ABLATIONS)
+COLORS = {"sglang": "tab:blue", "sarathi": "tab:orange", "vllm": "tab:green", "hlserve": "tab:red"}
+PRODUCTION_SLO = (2000.0, 100.0)  # TTFT p99 ms, TPOT p99 ms
+STRICT_SLO = (1000.0, 50.0)
+
+
+def system_options(system: str, knob: int | None) -> dict[str, Any]:
+    """Engine options of one point. ``knob`` is C (sglang), C = B (sarathi), B (vllm)."""
+    if system == "sglang":
+        return {"preset": "sglang", "chunk_size": knob}
+    if system == "sarathi":
+        return {"preset": "sarathi", "chunk_size": knob, "token_budget": knob}
+    if system == "vllm":
+        return {"preset": "vllm", "token_budget": knob}
+    if system == "hlserve":
+        return {"mode": "throughput"}
+    if system in ABLATIONS:
+        return {"mode": "throughput", **ABLATIONS[system][0]}
+    raise ValueError(f"unknown system {system!r}: {', '.join(DEFAULT_SYSTEMS)}")
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    hardware: str = "H20"
+    tp: int = 8
+    model: str = "Qwen2.5-32B"
+    contexts: tuple[int, ...] = (8192, 32768, 65536)
+    sessions: tuple[int, ...] = (16, 64, 128)
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
+    chunks: tuple[int, ...] | None = None  # overrides every system's sweep
+    duration: float = 1200.0
+    warmup: float = 600.0
+    rounds: int = 8
+    wall_limit: float = 900.0
+    seed: int = 0
+    version: int = 3  # bump when a change invalidates stored points
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a stored point must agree on to be reused."""
+        return {k: getattr(self, k) for k in ("hardware", "tp", "model", "duration", "warmup",
+                                               "rounds", "seed", "version")}
+
+    def points(self) -> list[Point]:
+        out = []
+        for ctx in self.contexts:
+            for n in self.sessions:
+                for system in self.systems:
+                    knobs = self.chunks if (self.chunks and system in SWEEPS) else SWEEPS.get(system, (None,))
+                    for k in knobs:
+                        out.append(Point(system, k, ctx, n))
+        return out
+
+
+@dataclass(frozen=True)
+class Point:
+    system: str
+    knob: int | None  # C / B swept (None: unlimited or not applicable)
+    context: int
+    sessions: int
+
+    @property
+    def key(self) -> str:
+        return f"ctx{self.context}_n{self.sessions}_{self.system}_{self.knob or 'inf'}"
+
+    @property
+    def label(self) -> str:
+        if self.system not in SWEEPS:
+            return self.system
+        name = {"sglang": "C", "sarathi": "C=B", "vllm": "B"}[self.system]
+        return f"{self.system} {name}={self.knob or 'inf'}"
+
+
+def run_point(spec: StudySpec, point: Point) -> dict[str, Any]:
+    """Simulate one point; returns its JSON record."""
+    from hlserve.bench.workloads import AgentWorkload
+    from hlserve.sim.build import build_sim_engine
+    from hlserve.sim.drive import run_agent_steady
+
+    opts = system_options(point.system, point.knob)
+    max_len = point.context + 4096
+    engine = build_sim_engine(spec.model, spec.hardware, spec.tp, max_model_len=max_len, **opts)
+    vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
+    workload = AgentWorkload.for_context(point.context, point.sessions, rounds=spec.rounds,
+                                         vocab=(3, vocab_hi), seed=spec.seed)
+    t = time.perf_counter()
+    res = run_agent_steady(engine, workload, duration=spec.duration, warmup=spec.warmup,
+                           wall_limit=spec.wall_limit, ramp=spec.warmup / 2)
+    wall = time.perf_counter() - t
+    s = res.summary() if res.records else {}
+    runner = engine.runner
+    metrics = {
+        **s,
+        **res.extra,
+        "sessions_per_hour": 3600 * len(res.session_times) / res.duration,
+        "median_session_time_s": s.get("median_session_time_s", float("nan")),
+        "retractions": engine.scheduler.num_retractions,
+        "errors": res.errors,
+        "iterations": engine.stats.steps,
+        "mixed_iterations": runner.mixed_steps,
+        "prefill_tokens_computed": runner.prefill_tokens,
+        "decode_tokens_computed": runner.decode_tokens,
+        "sim_seconds": engine.clock(),
+        "window_s": res.duration,
+        "wall_s": wall,
+        "truncated": res.duration < spec.duration - 1e-6,
+        "stalled": res.stalled,
+        "stalled_at_s": res.stalled_at,
+    }
+    return {
+        "point": dataclasses.asdict(point), "label": point.label, "spec": spec.fingerprint(),
+        "options": opts, "kv_pool_tokens": runner.num_pages * runner.page_size,
+        "metrics": metrics,
+    }
+
+
+def _worker(args: tuple[dict[str, Any], dict[str, Any], str]) -> str:
+    spec_d, point_d, path = args
+    spec = StudySpec(**{**spec_d, "contexts": tuple(spec_d["contexts"]),
+                        "sessions": tuple(spec_d["sessions"]), "systems": tuple(spec_d["systems"])})
+    rec = run_point(spec, Point(**point_d))
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    tmp.rename(path)
+    return path
+
+
+def _done(path: Path, spec: StudySpec) -> bool:
+    if not path.exists():
+        return False
+    try:
+        return json.loads(path.read_text()).get("spec") == json.loads(json.dumps(spec.fingerprint()))
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def run_study(spec: StudySpec, out: Path, jobs: int | None = None, progress: bool = True) -> list[Path]:
+    """Run every point not already in ``out/points`` (same spec); returns all point files."""
+    pdir = Path(out) / "points"
+    pdir.mkdir(parents=True, exist_ok=True)
+    (Path(out) / "spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=1))
+    points = spec.points()
+    todo = [p for p in points if not _done(pdir / f"{p.key}.json", spec)]
+    # longest first: the contexts and concurrencies that take longest start early
+    todo.sort(key=lambda p: -(p.context * p.sessions))
+    jobs = jobs or os.cpu_count() or 1
+    bar = tqdm(total=len(points), initial=len(points) - len(todo), desc="study points",
+               unit="pt", disable=not progress)
+    spec_d = dataclasses.asdict(spec)
+    tasks = [(spec_d, dataclasses.asdict(p), str(pdir / f"{p.key}.json")) for p in todo]
+    if jobs <= 1:
+        for t in tasks:
+            _worker(t)
+            bar.update(1)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as ex:
+            futs = [ex.submit(_worker, t) for t in tasks]
+            for f in as_completed(futs):
+                f.result()
+                bar.update(1)
+    bar.close()
+    return [pdir / f"{p.key}.json" for p in points]
+
+
+# ---- analysis -------------------------------------------------------------------------------------
+
+
+def load_points(out: Path) -> list[dict[str, Any]]:
+    recs = []
+    for path in sorted((Path(out) / "points").glob("*.json")):
+        try:
+            recs.append(json.loads(path.read_text()))
+        except json.JSONDecodeError:
+            continue
+    return recs
+
+
+METRIC = "window_token_throughput"  # tokens served per second in the window (drive.py)
+
+
+def _thr(r: dict[str, Any], metric: str = METRIC) -> float:
+    v = r["metrics"].get(metric, r["metrics"].get("total_token_throughput", 0.0))
+    return 0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def _lat(r: dict[str, Any], key: str) -> float:
+    v = r["metrics"].get(key)
+    return math.inf if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def group(recs: Iterable[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    out: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in recs:
+        out.setdefault((r["point"]["context"], r["point"]["sessions"]), []).append(r)
+    return out
+
+
+def human_tax(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
+              systems: Iterable[str] | None = None, metric: str = METRIC,
+              ) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
+    """(tax, best point meeting the SLO, best point overall); ``systems`` restricts the
+    constrained choice (e.g. SGLang's own configurations)."""
+    allowed = set(systems) if systems is not None else None
+    best_u = max(recs, key=lambda r: _thr(r, metric), default=None)
+    ok = [r for r in recs if _lat(r, "p99_ttft_ms") <= ttft_ms and _lat(r, "p99_tpot_ms") <= tpot_ms
+          and (allowed is None or r["point"]["system"] in allowed)]
+    best_c = max(ok, key=lambda r: _thr(r, metric), default=None)
+    if best_u is None or _thr(best_u, metric) <= 0:
+        return float("nan"), best_c, best_u
+    tax = 1.0 - (_thr(best_c, metric) if best_c else 0.0) / _thr(best_u, metric)
+    return tax, best_c, best_u
+
+
+def pareto(xs: list[float], ys: list[float]) -> list[int]:
+    """Indices of points no other point beats on both lower x and higher y, by x."""
+    order = sorted(range(len(xs)), key=lambda i: (xs[i], -ys[i]))
+    front, best = [], -math.inf
+    for i in order:
+        if ys[i] > best and math.isfinite(xs[i]):
+            front.append(i)
+            best = ys[i]
+    return front
+
+
+def _family(system: str) -> str:
+    return "hlserve" if system.startswith("hlserve") else system
+
+
+def components(recs: list[dict[str, Any]], metric: str = METRIC) -> dict[str, float]:
+    """Throughput mode against each ablation and each preset's default: gain of ours."""
+    by = {(r["point"]["system"], r["point"]["knob"]): r for r in recs}
+    ours = by.get(("hlserve", None))
+    if ours is None:
+        return {}
+    base = _thr(ours, metric)
+    out: dict[str, float] = {}
+    for name in ABLATIONS:
+        if (name, None) in by and _thr(by[(name, None)], metric) > 0:
+            out[name] = base / _thr(by[(name, None)], metric) - 1
+    for sys_, knob, name in (("sglang", 8192, "vs sglang (C=8192)"),
+                             ("sarathi", 512, "vs sarathi (C=B=512)"),
+                             ("sarathi", 2048, "vs sarathi-relaxed (C=B=2048)"),
+                             ("vllm", 8192, "vs vllm (B=8192)"),
+                             ("sglang", None, "vs sglang (unchunked)")):
+        if (sys_, knob) in by and _thr(by[(sys_, knob)], metric) > 0:
+            out[name] = base / _thr(by[(sys_, knob)], metric) - 1
+    for sys_ in SWEEPS:
+        cands = [r for r in recs if r["point"]["system"] == sys_]
+        if cands:
+            best = max(_thr(r, metric) for r in cands)
+            if best > 0:
+                out[f"vs best {sys_}"] = base / best - 1
+    return out
+
+
+def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, STRICT_SLO)) -> list[Path]:
+    """Frontier plots, tax plot, markdown table and summary.json from the stored points."""
+    out = Path(out)
+    recs = load_points(out)
+    if not recs:
+        raise FileNotFoundError(f"no study points in {out / 'points'}")
+    groups = group(recs)
+    paths = [*plot_frontiers(groups, out), plot_tax(groups, out)]
+    summary: dict[str, Any] = {"slos": [], "components": {}}
+    for (ctx, n), rs in sorted(groups.items()):
+        for ttft, tpot in slos:
+            tax, bc, bu = human_tax(rs, ttft, tpot)
+            present = {r["point"]["system"] for r in rs}
+            per_sys = {s: human_tax(rs, ttft, tpot, systems=[s])[0] if s in present else None
+                       for s in SWEEPS}
+            summary["slos"].append({
+                "context": ctx, "sessions": n, "ttft_p99_ms": ttft, "tpot_p99_ms": tpot,
+                "tax": tax, "best_constrained": bc["label"] if bc else None,
+                "best_unconstrained": bu["label"] if bu else None,
+                "best_throughput": _thr(bu) if bu else None,
+                "constrained_throughput": _thr(bc) if bc else 0.0, "tax_within_system": per_sys,
+            })
+        summary["components"][f"{ctx}/{n}"] = components(rs)
+    sp = out / "summary.json"
+    sp.write_text(json.dumps(summary, indent=1))
+    tp = out / "table.md"
+    tp.write_text(markdown(groups, summary))
+    return [*paths, sp, tp]
+
+
+def _pct(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:.0f}%"
+
+
+def markdown(groups: dict[tuple[int, int], list[dict[str, Any]]], summary: dict[str, Any]) -> str:
+    lines = ["# Study points", ""]
+    lines += ["## Human tax", "",
+              "| context | sessions | SLO (TTFT p99 / TPOT p99) | tax | best meeting it | best overall | "
+              "tax within sglang / sarathi / vllm |", "|---|---|---|---|---|---|---|"]
+    for s in summary["slos"]:
+        within = " / ".join(_pct(s["tax_within_system"][k]) for k in SWEEPS)
+        lines.append(f"| {s['context']} | {s['sessions']} | {s['ttft_p99_ms']:.0f} ms / "
+                     f"{s['tpot_p99_ms']:.0f} ms | {_pct(s['tax'])} | {s['best_constrained'] or 'none'} | "
+                     f"{s['best_unconstrained']} | {within} |")
+    lines += ["", "## Throughput mode by component (gain of throughput mode over each)", "",
+              "| context/sessions | " + " | ".join([*ABLATIONS, "vs sglang (C=8192)",
+                                                     "vs sarathi (C=B=512)", "vs best sglang",
+                                                     "vs best sarathi"]) + " |",
+              "|---|" + "---|" * (len(ABLATIONS) + 4)]
+    for key, comp in summary["components"].items():
+        cols = [*ABLATIONS, "vs sglang (C=8192)", "vs sarathi (C=B=512)", "vs best sglang",
+                "vs best sarathi"]
+        lines.append(f"| {key} | " + " | ".join(
+            f"{100 * comp[c]:+.1f}%" if c in comp else "-" for c in cols) + " |")
+    lines += ["", "## All points", "",
+              "| context | sessions | config | tokens/s (window) | output tok/s (window) | TTFT p50 / p99 (s) | "
+              "TPOT p50 / p99 (ms) | sessions/h | retractions | iterations (mixed) | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (ctx, n), rs in sorted(groups.items()):
+        for r in sorted(rs, key=lambda r: -_thr(r)):
+            m = r["metrics"]
+            trunc = " (cut)" if m.get("truncated") else ""
+            lines.append(
+                f"| {ctx} | {n} | {r['label']}{trunc} | {_thr(r):.0f} | {_thr(r, 'window_output_throughput'):.0f} | "
+                f"{_lat(r, 'median_ttft_ms') / 1e3:.2f} / {_lat(r, 'p99_ttft_ms') / 1e3:.2f} | "
+                f"{_lat(r, 'median_tpot_ms'):.0f} / {_lat(r, 'p99_tpot_ms'):.0f} | "
+                f"{m.get('sessions_per_hour', 0):.0f} | {m.get('retractions', 0)} | "
+                f"{m.get('iterations', 0)} ({m.get('mixed_iterations', 0)}) | {m.get('wall_s', 0):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_frontiers(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for ctx in sorted({c for c, _ in groups}):
+        ns = sorted(n for c, n in groups if c == ctx)
+        fig, axes = plt.subplots(len(ns), 2, figsize=(11, 3.6 * len(ns)), squeeze=False)
+        for row, n in enumerate(ns):
+            rs = groups[(ctx, n)]
+            thr = [_thr(r) for r in rs]
+            for col, (key, name) in enumerate((("p99_ttft_ms", "TTFT p99 (s)"),
+                                               ("p99_tpot_ms", "TPOT p99 (ms)"))):
+                ax = axes[row][col]
+                scale = 1e-3 if key == "p99_ttft_ms" else 1.0
+                xs = [_lat(r, key) * scale for r in rs]
+                for fam in COLORS:
+                    idx = [i for i, r in enumerate(rs) if _family(r["point"]["system"]) == fam]
+                    if idx:
+                        ax.scatter([xs[i] for i in idx], [thr[i] for i in idx], s=22,
+                                   color=COLORS[fam], label=fam, alpha=0.8,
+                                   marker="*" if fam == "hlserve" else "o")
+                front = pareto(xs, thr)
+                ax.plot([xs[i] for i in front], [thr[i] for i in front], "k--", lw=1,
+                        label="Pareto front")
+                ax.scatter([xs[i] for i in front], [thr[i] for i in front], s=70,
+                           facecolors="none", edgecolors="k")
+                for i in front:
+                    ax.annotate(rs[i]["label"].replace("hlserve", "hl"), (xs[i], thr[i]),
+                                fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.set_xscale("log")
+                ax.set_xlabel(name)
+                ax.set_ylabel("tokens/s served (prompt + output)")
+                ax.set_title(f"{ctx // 1024}K context, {n} sessions")
+                ax.grid(alpha=0.3)
+                if row == 0 and col == 0:
+                    ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out / f"frontier_{ctx // 1024}k.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def plot_tax(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = sorted({c for c, _ in groups})
+    tpots = [25, 35, 50, 70, 100, 150, 200, 300, 500, 1000, 2000]
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 3.8), squeeze=False)
+    for j, ctx in enumerate(ctxs):
+        ax = axes[0][j]
+        for n in sorted(n for c, n in groups if c == ctx):
+            for ttft, style in ((2000.0, "-"), (math.inf, ":")):
+                taxes = [100 * human_tax(groups[(ctx, n)], ttft, t)[0] for t in tpots]
+                ax.plot(tpots, taxes, style, marker="o", ms=3,
+                        label=f"{n} sessions, TTFT p99 {'<= 2 s' if ttft < math.inf else 'free'}")
+        ax.set_xscale("log")
+        ax.set_xlabel("TPOT p99 target (ms)")
+        ax.set_ylabel("human tax (% of throughput)")
+        ax.set_ylim(-2, 102)
+        ax.axvline(100, color="grey", lw=0.8)
+        ax.set_title(f"{ctx // 1024}K context")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    p = out / "tax.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+# ---- one-off analyses for docs/study.md ---------------------------------------------------------
+
+
+def chunking_cost(model: str = "Yi-34B", hardware: str = "A100", tp: int = 2,
+                  prompts: tuple[int, ...] = (2048, 4096, 8192, 16384),
+                  chunks: tuple[int, ...] = (512, 1024, 2048)) -> list[dict[str, Any]]:
+    """Prefill time with chunk C relative to unchunked, prompt by prompt."""
+    from hlserve.sim.cost import CostModel
+    from hlserve.sim.hardware import get_hardware
+    from hlserve.sim.models import resolve_model
+
+    _, mc = resolve_model(model)
+    cm = CostModel(mc, get_hardware(hardware), tp)
+    rows = []
+    for n in prompts:
+        ref = cm.prefill(n)
+        row: dict[str, Any] = {"prompt": n, "unchunked_ms": 1e3 * ref.total}
+        for c in chunks:
+            bd = cm.prefill(n, c)
+            row[f"C={c}"] = bd.total / ref.total - 1
+            row[f"C={c} parts"] = {k: 1e3 * (bd.parts.get(k, 0) - ref.parts.get(k, 0))
+                                   for k in set(bd.parts) | set(ref.parts)}
+        rows.append(row)
+    return rows
+
+
+def mixing_slowdown(model: str = "Qwen2.5-32B", hardware: str = "H20", tp: int = 8,
+                    batches: tuple[int, ...] = (16, 64), contexts: tuple[int, ...] = (32768, 65536),
+                    chunks: tuple[int, ...] = (512, 2048, 8192)) -> list[dict[str, Any]]:
+    """Decode throughput in a mixed iteration against a pure-decode one of the same batch."""
+    from hlserve.sim.cost import CostModel
+    from hlserve.sim.hardware import get_hardware
+    from hlserve.sim.models import resolve_model
+
+    _, mc = resolve_model(model)
+    cm = CostModel(mc, get_hardware(hardware), tp)
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            pure = cm.decode(b, ctx).total
+            for c in chunks:
+                mixed = cm.decode(b, ctx, c, prefill_context=ctx // 2).total
+                rows.append({"batch": b, "context": ctx, "chunk": c, "pure_ms": 1e3 * pure,
+                             "mixed_ms": 1e3 * mixed, "decode_throughput_loss": 1 - pure / mixed})
+    return rows

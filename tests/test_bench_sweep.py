@@ -1,0 +1,93 @@
+"""``hlserve sweep`` on the tiny model: in-process points, and a real ``hlserve serve``
+started, benchmarked and torn down per point from a command template."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from hlserve.bench.serve_bench import BenchSpec
+from hlserve.bench.sweep import ExternalServer, SweepSpec, make_points, port_free, run_sweep
+
+WORKLOAD = dict(workload="agent", sessions=3, rounds=2, system_prompt_len=64, task_len=16,
+                tool_output_len=(16, 48), output_len=(4, 8), progress=False, timeout=120)
+
+
+def check_outputs(out: Path, labels: list[str]) -> dict:
+    summary = json.loads((out / "sweep.json").read_text())
+    assert [p["label"] for p in summary["points"]] == labels
+    for p in summary["points"]:
+        r = p["result"]
+        assert r["completed"] == 6 and r["failed"] == 0, r.get("error") or r.get("errors")
+        assert r["sessions_completed"] == 3
+        assert (out / "points" / f"{p['label']}.json").exists()
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tax = (out / "tax.md").read_text()
+    assert "human tax" in tax and "| none | none |" in tax
+    assert summary["tax"][-1]["human_tax"] == 0  # no target: the best point, no tax
+    return summary
+
+
+def test_in_process_sweep(tiny_llama: Path, tmp_path: Path) -> None:
+    points = make_points([32, None], "same", ["throughput=--mode throughput"])
+    sw = SweepSpec(model=str(tiny_llama), points=points,
+                   bench=BenchSpec(base_url="", **WORKLOAD), out_dir=tmp_path,
+                   engine_args=["--preset", "vllm", "--dtype", "float32", "--max-model-len",
+                                "512", "--num-pages", "128"], command="test")
+    run_sweep(sw, log=lambda *a: None)
+    summary = check_outputs(tmp_path, ["C=32", "C=none", "throughput"])
+    res = {p["label"]: p["result"] for p in summary["points"]}
+    assert res["C=32"]["engine_config"]["chunk_size"] == 32
+    assert res["C=32"]["engine_config"]["token_budget"] == 32
+    assert res["C=32"]["engine_config"]["mixing"] == "always"  # the base preset (vllm)
+    assert "chunk_size                 32" in res["C=32"]["engine_caps"]
+    assert res["C=none"]["engine_config"]["chunk_size"] is None
+    assert res["C=none"]["engine_config"]["token_budget"] is None
+    assert res["throughput"]["engine_config"]["preset"] == "hlserve"  # its own preset won
+    assert res["throughput"]["engine_config"]["mixing"] == "two_stage"
+    assert res["C=32"]["clock"] == "wall"
+
+
+def test_server_sweep_starts_and_stops_a_server_per_point(tiny_llama: Path,
+                                                          tmp_path: Path) -> None:
+    template = (f"{shlex.quote(sys.executable)} -m hlserve.cli serve {{model}} --host {{host}} "
+                "--port {port} --dtype float32 --max-model-len 512 --num-pages 128 "
+                "--chunk-size {chunk_size} --max-num-batched-tokens {token_budget} "
+                "--uvicorn-log-level warning {args}")
+    sw = SweepSpec(model=str(tiny_llama), points=make_points([32, None]),
+                   bench=BenchSpec(base_url="", **WORKLOAD), out_dir=tmp_path,
+                   server_cmd=template, unlimited_value=100000, health_timeout=120,
+                   command="test")
+    run_sweep(sw, log=lambda *a: None)
+    summary = check_outputs(tmp_path, ["C=32", "C=none"])
+    for p in summary["points"]:
+        cmd = p["result"]["server_command"]
+        assert "--chunk-size 32" in cmd if p["label"] == "C=32" else "--chunk-size 100000" in cmd
+        log = Path(p["result"]["server_log"]).read_text()
+        assert "hlserve engine caps" in log and "Traceback" not in log
+        port = int(cmd.split("--port ")[1].split()[0])
+        assert port_free("127.0.0.1", port)  # torn down before the next point
+
+
+def test_a_server_that_never_answers_is_reported(tmp_path: Path) -> None:
+    code = "import sys; print('no such model', flush=True); sys.exit(3)"
+    srv = ExternalServer([sys.executable, "-c", code], "127.0.0.1", 1, tmp_path / "log",
+                         health_timeout=30)
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 3.*no such model"):
+        srv.start()
+    assert srv.proc.poll() == 3
+
+
+def test_simulated_sweep(tmp_path: Path) -> None:
+    pytest.importorskip("hlserve.sim.build")
+    sw = SweepSpec(model="Qwen2.5-7B", points=make_points([512, None]), sim="H20",
+                   bench=BenchSpec(base_url="", **WORKLOAD), out_dir=tmp_path, command="test")
+    run_sweep(sw, log=lambda *a: None)
+    summary = check_outputs(tmp_path, ["C=512", "C=none"])
+    for p in summary["points"]:
+        assert p["result"]["clock"] == "virtual"
+        assert p["result"]["engine_config"]["chunk_size"] == p["knobs"]["chunk_size"]

@@ -1,0 +1,47 @@
+"""Calibration on the machine at hand, checked against a real run of a different workload.
+
+The real runs are on a loaded, shared CPU, so the bounds are looser than the 10% aim
+(docs/study.md reports the measured errors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hlserve.sim.calibrate import FIDELITY_OPTIONS, calibrate, fidelity, write_profile
+from hlserve.sim.cli import main as sim_main
+from hlserve.sim.hardware import Hardware
+
+
+@pytest.mark.slow
+def test_calibrate_then_predict_a_different_workload(tiny_model_dirs, tmp_path, capsys) -> None:
+    model = str(tiny_model_dirs["qwen2"])
+    cal = calibrate(model, quick=True)
+    hw = cal.hardware
+    assert hw.arch == "cpu" and hw.dtype_bytes == 4 and hw.peak_flops > 1e9
+    assert cal.report["gemm_fit"]["median_err"] < 0.3
+    assert cal.report["iteration_fit"]["median_err"] < 0.15
+    path = tmp_path / "cpu.json"
+    write_profile(cal, path)
+    assert Hardware.load(path) == hw
+    # a different workload: longer prompts, more sessions, throughput mode (calibration used
+    # the vllm preset and shorter prompts)
+    def within(rep: dict) -> bool:
+        return (rep["per_iteration"]["median_abs_err"] < 0.30
+                and abs(rep["per_iteration"]["sum_err"]) < 0.25
+                and abs(rep["end_to_end"]["throughput_err"]) < 0.25)
+
+    # timings are CPU time of this process, but a shared machine's other jobs still slow it
+    # (caches, SMT siblings): one more try if the first real run was disturbed
+    rep = fidelity(model, hw)
+    if not within(rep):
+        rep = fidelity(model, hw)
+    assert rep["engine_options"] == FIDELITY_OPTIONS
+    assert rep["iterations"]["real"] > 50
+    assert within(rep), json.dumps(rep, indent=1, default=str)
+    # the profile is a hardware profile like the built-in ones
+    assert sim_main(["cost", "--hardware", str(path), "--model", model, "--decode-batch", "8",
+                     "--context", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0.1 < out["total_ms"] < 1000

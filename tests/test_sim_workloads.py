@@ -1,0 +1,121 @@
+"""Workloads shared by real and simulated runs: agent sessions, Mooncake trace replay (open
+loop by timestamps, closed loop along chains), Poisson chat, and their drivers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from hlserve.bench.workloads import (
+    BLOCK,
+    AgentWorkload,
+    Dist,
+    MooncakeTrace,
+    PoissonChat,
+    trace_arrivals,
+)
+from hlserve.sim.build import build_sim_engine
+from hlserve.sim.drive import run_open_loop, run_trace_closed
+from hlserve.sim.fitting import find_data_dir
+
+
+def _write_trace(path, rows) -> None:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+ROWS = [  # a chain 0 -> 2 -> 3, a separate request 1 sharing only the system block, a branch 4
+    {"timestamp": 0, "input_length": 1100, "output_length": 20, "hash_ids": [0, 1, 2]},
+    {"timestamp": 500, "input_length": 700, "output_length": 10, "hash_ids": [0, 9]},
+    {"timestamp": 1000, "input_length": 1800, "output_length": 30, "hash_ids": [0, 1, 3, 4]},
+    {"timestamp": 1500, "input_length": 2100, "output_length": 15, "hash_ids": [0, 1, 3, 5, 6]},
+    {"timestamp": 1600, "input_length": 1500, "output_length": 12, "hash_ids": [0, 1, 7]},
+]
+
+
+def test_mooncake_prefixes_and_chains(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, ROWS)
+    tr = MooncakeTrace.load(path)
+    assert [r.parent for r in tr.requests] == [None, None, 0, 2, 0]
+    p = [tr.prompt(r) for r in tr.requests]
+    assert [len(x) for x in p] == [r["input_length"] for r in ROWS]
+    # equal hash ids at position k <=> the first k*512 tokens are equal
+    assert p[0][: 2 * BLOCK] == p[2][: 2 * BLOCK] and p[0][2 * BLOCK] != p[2][2 * BLOCK]
+    assert p[1][:BLOCK] == p[0][:BLOCK] and p[1][BLOCK:BLOCK + 16] != p[0][BLOCK:BLOCK + 16]
+    assert p[3][: 3 * BLOCK] == p[2][: 3 * BLOCK]
+    assert tr.stats()["continuations"] == 3
+
+
+@pytest.mark.skipif(find_data_dir() is None, reason="Mooncake traces not found")
+def test_real_trace_chains() -> None:
+    """README: about 3,500 of 12,031 conversation requests continue an earlier one."""
+    tr = MooncakeTrace.load(find_data_dir() / "mooncake_conversation_trace.jsonl")
+    s = tr.stats()
+    assert s["requests"] == 12031
+    assert 3000 < s["continuations"] < 4200
+    assert s["mean_input"] == pytest.approx(12035, rel=0.01)  # FACTS.md
+
+
+def test_open_and_closed_trace_replay(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, ROWS)
+    tr = MooncakeTrace.load(path, vocab=(3, 150000))
+    # open loop: each request arrives at its timestamp on the virtual clock
+    e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", check_invariants=True)
+    res = run_open_loop(e, trace_arrivals(tr))
+    arrivals = sorted(r.arrival for r in res.records)
+    assert arrivals == pytest.approx([r["timestamp"] / 1000 for r in ROWS])
+    assert [r.output_tokens for r in sorted(res.records, key=lambda r: r.session_id)] == \
+        [r["output_length"] for r in ROWS]
+    # closed loop: a continuation is sent the moment its parent finishes
+    e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", check_invariants=True)
+    res = run_trace_closed(e, tr)
+    by = {r.round: r for r in res.records}  # round = trace index
+    assert len(by) == 5
+    assert by[2].arrival == pytest.approx(by[0].finish)
+    assert by[3].arrival == pytest.approx(by[2].finish)
+    assert by[4].arrival == pytest.approx(by[0].finish)
+    assert by[1].arrival == pytest.approx(0.5)  # a root: at its timestamp
+    assert len(res.session_times) == 2  # chains rooted at 0 and 1
+    # the continuation hits the prefix its parent left in the cache
+    assert by[3].cached_tokens >= 3 * BLOCK - 16
+    # with a concurrency limit roots start as slots free up
+    e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput")
+    res = run_trace_closed(e, tr, concurrency=1)
+    by = {r.round: r for r in res.records}
+    assert by[1].arrival >= max(by[k].finish for k in (0, 2, 3, 4)) - 1e-9
+
+
+def test_poisson_chat() -> None:
+    chat = PoissonChat(rate=4.0, num_requests=400, seed=1, vocab=(3, 120000))
+    arr = list(chat.arrivals())
+    gaps = [b.time - a.time for a, b in itertools.pairwise(arr)]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.15)
+    assert all(a.prompt[:256] == arr[0].prompt[:256] for a in arr)  # shared system prompt
+    e = build_sim_engine("Llama-3.1-8B", "H100", 1, preset="vllm")
+    res = run_open_loop(e, arr[:60])
+    assert res.summary()["completed"] == 60
+
+
+def test_agent_workload_distributions() -> None:
+    rng = random.Random(0)
+    d = Dist.lognormal(1000, 0.6, 16, 8000)
+    xs = [d.sample(rng) for _ in range(4000)]
+    assert sum(xs) / len(xs) == pytest.approx(1000, rel=0.08) and min(xs) >= 16
+    assert Dist.constant(7).sample(rng) == 7
+    w = AgentWorkload.for_context(32768, sessions=3)
+    s = w.make_session(5)
+    assert s.context[:2048] == w.system_ids() and w.make_session(5).context == s.context
+    rounds = 0
+    while not s.done:
+        prompt, out = s.next_request()
+        assert len(prompt) + out <= 32768
+        s.complete([1] * out)
+        rounds += 1
+    assert 3 <= rounds <= 8 and len(s.context) > 16384
+    # the original API: tuple ranges, fixed rounds
+    legacy = AgentWorkload(sessions=2, rounds=3).sessions_list()
+    assert len(legacy) == 2 and legacy[0].context[:512] == legacy[1].context[:512]
