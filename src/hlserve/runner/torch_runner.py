@@ -8,11 +8,11 @@ import time
 import torch
 
 from hlserve.config import EngineConfig
-from hlserve.models.attention import AttentionMetadata, PrefillSegment
+from hlserve.models.attention import AttentionMetadata, Segment
 from hlserve.models.config import ModelConfig
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.request import Request
-from hlserve.runner.base import Batch, Runner, ScheduledSeq, StepResult
+from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.runner.cpu_alloc import keep_freed_memory
 
 log = logging.getLogger("hlserve.runner")
@@ -65,37 +65,19 @@ class TorchRunner(Runner):
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
-        prefills: list[PrefillSegment] = []
-        decodes: list[tuple[int, ScheduledSeq]] = []
+        segments: list[Segment] = []
         for seq in batch.seqs:
             t0 = len(ids)
             ids.extend(seq.request.tokens(seq.start, seq.end))
             positions.append(torch.arange(seq.start, seq.end))
-            slot_mapping.append(self._slots(seq.page_table, seq.start, seq.end))
-            if seq.is_decode:
-                decodes.append((t0, seq))
-            else:
-                ctx_slots = self._slots(seq.page_table, 0, seq.end) if seq.start > 0 else None
-                if ctx_slots is not None:
-                    ctx_slots = ctx_slots.to(self.device)
-                prefills.append(PrefillSegment(t0, len(ids), seq.start, ctx_slots))
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(self.device),
-            prefills=prefills, decode_index=None, decode_slots=None, decode_mask=None,
-        )
-        if decodes:
-            ps = self.page_size
-            lens = torch.tensor([s.end for _, s in decodes])
-            lmax = int(lens.max())
-            npages = -(-lmax // ps)
-            table = torch.zeros(len(decodes), npages, dtype=torch.long)
-            for i, (_, s) in enumerate(decodes):
-                pt = s.page_table[:npages]
-                table[i, : len(pt)] = torch.tensor(pt, dtype=torch.long)
-            pos = torch.arange(lmax)
-            meta.decode_slots = (table[:, pos // ps] * ps + pos % ps).to(self.device)
-            meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :].to(self.device)
-            meta.decode_index = torch.tensor([t for t, _ in decodes], device=self.device)
+            slots = self._slots(seq.page_table, 0, seq.end)
+            slot_mapping.append(slots[seq.start :])
+            # a sequence with context reads it back through its slots; a fresh prompt attends
+            # to its own new K/V and needs none
+            ctx = slots.to(self.device) if seq.start > 0 else None
+            segments.append(Segment(t0, len(ids), seq.start, ctx))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping).to(self.device),
+                                 segments=segments)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, torch.cat(positions).to(self.device), meta
 
