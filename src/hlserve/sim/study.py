@@ -308,7 +308,7 @@ def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, S
     if not recs:
         raise FileNotFoundError(f"no study points in {out / 'points'}")
     groups = group(recs)
-    paths = [*plot_frontiers(groups, out), plot_tax(groups, out)]
+    paths = [*plot_frontiers(groups, out), plot_tax(groups, out), plot_components(groups, out)]
     summary: dict[str, Any] = {"slos": [], "components": {}}
     for (ctx, n), rs in sorted(groups.items()):
         for ttft, tpot in slos:
@@ -324,6 +324,19 @@ def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, S
                 "constrained_throughput": _thr(bc) if bc else 0.0, "tax_within_system": per_sys,
             })
         summary["components"][f"{ctx}/{n}"] = components(rs)
+    # the operator's view: the concurrency a node serves is a choice too
+    summary["slos_any_concurrency"] = []
+    for ctx in sorted({c for c, _ in groups}):
+        rs = [r for (c, _), g in groups.items() if c == ctx for r in g]
+        for ttft, tpot in slos:
+            tax, bc, bu = human_tax(rs, ttft, tpot)
+            summary["slos_any_concurrency"].append({
+                "context": ctx, "ttft_p99_ms": ttft, "tpot_p99_ms": tpot, "tax": tax,
+                "best_constrained": f"{bc['label']} @ {bc['point']['sessions']} sessions" if bc else None,
+                "best_unconstrained": f"{bu['label']} @ {bu['point']['sessions']} sessions" if bu else None,
+                "constrained_throughput": _thr(bc) if bc else 0.0,
+                "best_throughput": _thr(bu) if bu else None,
+            })
     sp = out / "summary.json"
     sp.write_text(json.dumps(summary, indent=1))
     tp = out / "table.md"
@@ -339,7 +352,15 @@ def _pct(x: float | None) -> str:
 
 def markdown(groups: dict[tuple[int, int], list[dict[str, Any]]], summary: dict[str, Any]) -> str:
     lines = ["# Study points", ""]
-    lines += ["## Human tax", "",
+    lines += ["## Human tax, concurrency chosen freely (per node)", "",
+              "| context | SLO (TTFT p99 / TPOT p99) | tax | best meeting it | best overall |",
+              "|---|---|---|---|---|"]
+    for s in summary.get("slos_any_concurrency", []):
+        lines.append(f"| {s['context']} | {s['ttft_p99_ms']:.0f} ms / {s['tpot_p99_ms']:.0f} ms | "
+                     f"{_pct(s['tax'])} | {s['best_constrained'] or 'none'} "
+                     f"({s['constrained_throughput']:.0f} tok/s) | {s['best_unconstrained']} "
+                     f"({s['best_throughput']:.0f} tok/s) |")
+    lines += ["", "## Human tax at a given concurrency", "",
               "| context | sessions | SLO (TTFT p99 / TPOT p99) | tax | best meeting it | best overall | "
               "tax within sglang / sarathi / vllm |", "|---|---|---|---|---|---|---|"]
     for s in summary["slos"]:
@@ -432,10 +453,15 @@ def plot_tax(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> 
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 3.8), squeeze=False)
     for j, ctx in enumerate(ctxs):
         ax = axes[0][j]
+        every = [r for (c, _), g in groups.items() if c == ctx for r in g]
+        for ttft in (2000.0, math.inf):
+            taxes = [100 * human_tax(every, ttft, t)[0] for t in tpots]
+            ax.plot(tpots, taxes, "k-" if ttft < math.inf else "k:", lw=2, marker="s", ms=3,
+                    label=f"any concurrency, TTFT p99 {'<= 2 s' if ttft < math.inf else 'free'}")
         for n in sorted(n for c, n in groups if c == ctx):
             for ttft, style in ((2000.0, "-"), (math.inf, ":")):
                 taxes = [100 * human_tax(groups[(ctx, n)], ttft, t)[0] for t in tpots]
-                ax.plot(tpots, taxes, style, marker="o", ms=3,
+                ax.plot(tpots, taxes, style, marker="o", ms=3, alpha=0.7,
                         label=f"{n} sessions, TTFT p99 {'<= 2 s' if ttft < math.inf else 'free'}")
         ax.set_xscale("log")
         ax.set_xlabel("TPOT p99 target (ms)")
@@ -447,6 +473,49 @@ def plot_tax(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> 
         ax.legend(fontsize=6)
     fig.tight_layout()
     p = out / "tax.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+COMPONENT_LABELS = {
+    "hlserve-chunked": "greedy prefill\n(vs C=8192)",
+    "hlserve-mix_always": "two-stage\n(vs always mix)",
+    "hlserve-prefill_first": "two-stage\n(vs prefill-first)",
+    "hlserve-ratchet": "EMA budget\n(vs ratchet)",
+    "hlserve-no_budget": "EMA budget\n(vs none)",
+    "hlserve-fcfs": "LPM\n(vs FCFS)",
+    "vs sglang (C=8192)": "vs sglang\nC=8192",
+    "vs sarathi (C=B=512)": "vs sarathi\nC=B=512",
+    "vs sarathi-relaxed (C=B=2048)": "vs sarathi\nC=B=2048",
+}
+
+
+def plot_components(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> Path:
+    """Gain of throughput mode over each one-component ablation and each preset default."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(groups)
+    labels = list(COMPONENT_LABELS)
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(labels)), 4))
+    width = 0.8 / max(1, len(keys))
+    for j, key in enumerate(keys):
+        comp = components(groups[key])
+        vals = [100 * comp.get(k, float("nan")) for k in labels]
+        ax.bar([i + j * width for i in range(len(labels))], vals, width,
+               label=f"{key[0] // 1024}K, {key[1]} sessions")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax.set_xticklabels([COMPONENT_LABELS[k] for k in labels], fontsize=7)
+    ax.set_ylabel("throughput mode gain (%)")
+    ax.set_yscale("symlog", linthresh=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    p = out / "components.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return p
