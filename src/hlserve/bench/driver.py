@@ -92,8 +92,9 @@ def run_agent_sessions(engine: Engine, workload: AgentWorkload, progress: bool =
     total = workload.sessions * workload.rounds
     with tqdm(total=total, desc="agent rounds", unit="req", disable=not progress) as bar:
         while inflight:
-            for out in engine.step():
-                if out.finished and out.request_id in inflight:
+            for req in engine.step_requests():
+                if req.finished and req.request_id in inflight:
+                    out = RequestOutput.of(req)
                     i, rnd = inflight.pop(out.request_id)
                     records.append(_record(out, i, rnd))
                     bar.update(1)

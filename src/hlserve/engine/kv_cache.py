@@ -25,14 +25,21 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
-@dataclass(eq=False, repr=False)
 class Node:
-    page: int
-    key: tuple[int, ...]
-    parent: Node | None
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
-    ref: int = 0
-    evicted: bool = False  # out of the tree; ``parent`` is kept so matchers can climb back
+    """One cached page: ``key`` is its tokens, unique among its parent's children.
+
+    A plain slotted class, not a dataclass: a long prefill creates thousands per iteration
+    and identity (not value) is what equality and hashing must mean here."""
+
+    __slots__ = ("children", "evicted", "key", "page", "parent", "ref")
+
+    def __init__(self, page: int, key: tuple[int, ...], parent: Node | None, ref: int = 0) -> None:
+        self.page = page
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.ref = ref
+        self.evicted = False  # out of the tree; ``parent`` is kept so matchers can climb back
 
 
 @dataclass
@@ -110,15 +117,18 @@ class KVCacheManager:
         return out
 
     # ---- state changes ---------------------------------------------------------------------
-    def admit(self, req_id: str, tokens: list[int], max_cached_tokens: int) -> int:
+    def admit(self, req_id: str, tokens: list[int], max_cached_tokens: int,
+              matched: list[Node] | None = None) -> int:
         """Start holding pages for a request; returns how many leading tokens are cached.
 
         ``max_cached_tokens`` is at most ``len(tokens) - 1``: the last token is always
-        computed, because its logits are what the next token is sampled from.
+        computed, because its logits are what the next token is sampled from. ``matched``
+        is ``match_prefix(tokens, max_cached_tokens)`` when the caller just computed it
+        (with no change to the tree since): a long context is then not walked twice.
         """
         if req_id in self._seqs:
             raise RuntimeError(f"{req_id} already holds pages")
-        nodes = self.match_prefix(tokens, max_cached_tokens)
+        nodes = self.match_prefix(tokens, max_cached_tokens) if matched is None else matched
         for node in nodes:
             self._lock(node)
         self._seqs[req_id] = SeqPages(pages=[n.page for n in nodes], nodes=list(nodes))
@@ -140,19 +150,32 @@ class KVCacheManager:
         seq.pages.extend(self._free.pop() for _ in range(need))
         return True
 
-    def commit(self, req_id: str, tokens: list[int], num_computed: int) -> None:
-        """Insert the request's full, computed pages into the tree (shareable from now on)."""
+    def committed_tokens(self, req_id: str) -> int:
+        """Leading tokens of the request already in the tree: ``commit`` needs only the
+        tokens after these."""
+        return len(self._seqs[req_id].nodes) * self.page_size
+
+    def commit(self, req_id: str, tokens: list[int], num_computed: int, offset: int = 0) -> None:
+        """Insert the request's full, computed pages into the tree (shareable from now on).
+
+        ``tokens[0]`` is the request's token number ``offset`` (at most
+        ``committed_tokens``): callers on the hot path pass only the tail, not a copy of a
+        long context every time a page fills."""
         if not self.enable_prefix_caching:
             return
         seq = self._seqs[req_id]
         ps = self.page_size
         full = min(num_computed // ps, len(seq.pages))
         parent = seq.nodes[-1] if seq.nodes else self.root
-        for i in range(len(seq.nodes), full):
-            key = tuple(tokens[i * ps : (i + 1) * ps])
+        if offset > len(seq.nodes) * ps:
+            raise ValueError(f"commit from token {offset}: tokens from {len(seq.nodes) * ps} are needed")
+        start = len(seq.nodes)
+        for i in range(start, full):
+            a = i * ps - offset
+            key = tuple(tokens[a : a + ps])
             node = parent.children.get(key)
             if node is None:
-                node = Node(page=seq.pages[i], key=key, parent=parent, ref=1)
+                node = Node(seq.pages[i], key, parent, 1)
                 parent.children[key] = node
                 self.num_tree_nodes += 1
             else:
@@ -163,11 +186,13 @@ class KVCacheManager:
             seq.nodes.append(node)
             parent = node
 
-    def release(self, req_id: str, tokens: list[int] | None = None, num_computed: int = 0) -> None:
+    def release(self, req_id: str, tokens: list[int] | None = None, num_computed: int = 0,
+                offset: int = 0) -> None:
         """Stop holding a request's pages. Computed full pages stay cached (if ``tokens`` is
-        given); the rest go back to the free list."""
+        given, from token number ``offset`` as for ``commit``); the rest go back to the free
+        list."""
         if tokens is not None:
-            self.commit(req_id, tokens, num_computed)
+            self.commit(req_id, tokens, num_computed, offset)
         seq = self._seqs.pop(req_id)
         for node in reversed(seq.nodes):  # leaf first: keeps children ahead of parents in LRU
             node.ref -= 1

@@ -46,8 +46,7 @@ class PriorityOrder(OrderPolicy):
 
 @dataclass
 class _Match:
-    keys: list[tuple[int, ...]]  # the request's tokens cut into pages
-    num_tokens: int  # request length when keys were cut (grows after a retraction)
+    num_tokens: int  # request length when the match began (grows after a retraction)
     node: Node  # deepest tree node matched so far
     depth: int  # pages matched
     since: int  # step it (re)entered the queue
@@ -76,19 +75,18 @@ class LongestPrefixMatch(OrderPolicy):
         ps = self.kv.page_size
         st = self._state.get(req.request_id)
         if st is None or st.num_tokens != req.num_tokens:
-            tokens = req.all_token_ids
-            keys = [tuple(tokens[i * ps : (i + 1) * ps]) for i in range(len(tokens) // ps)]
             since = st.since if st is not None else step
-            st = _Match(keys, req.num_tokens, self.kv.root, 0, since)
+            st = _Match(req.num_tokens, self.kv.root, 0, since)
             self._state[req.request_id] = st
         node, depth = st.node, st.depth
         while node.evicted:
             node, depth = node.parent, depth - 1  # type: ignore[assignment]
         # the last token is always recomputed, so never count a page that ends the request
-        limit = min(len(st.keys), (req.num_tokens - 1) // ps)
+        limit = (req.num_tokens - 1) // ps
         while depth < limit:
             self.lookups += 1
-            child = node.children.get(st.keys[depth])
+            # keys are cut on demand: a page's tokens only when the walk reaches it
+            child = node.children.get(tuple(req.tokens(depth * ps, (depth + 1) * ps)))
             if child is None:
                 break
             node, depth = child, depth + 1
@@ -98,6 +96,11 @@ class LongestPrefixMatch(OrderPolicy):
     def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
         if self.fcfs_fallback is not None and len(waiting) > self.fcfs_fallback:
             return FCFS().order(waiting, step)
+        if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk
+            r = waiting[0]
+            if r.request_id not in self._state:  # but its wait counts from now, for aging
+                self._state[r.request_id] = _Match(r.num_tokens, self.kv.root, 0, step)
+            return iter(waiting)
         heap = []
         for i, r in enumerate(waiting):
             cached = self.cached_tokens(r, step)

@@ -83,7 +83,14 @@ class Scheduler:
             self.waiting.remove(req)
         self.order.forget(req)
         if self.kv.holds(req.request_id):
-            self.kv.release(req.request_id, req.all_token_ids, req.num_computed)
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Release a request's pages, caching its computed full pages (only the tokens not yet
+        in the tree are copied)."""
+        start = self.kv.committed_tokens(req.request_id) if self.kv.enable_prefix_caching else 0
+        self.kv.release(req.request_id, req.tokens(start, req.num_computed), req.num_computed,
+                        offset=start)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -124,21 +131,34 @@ class Scheduler:
     def _mix_state(self) -> MixState:
         if not getattr(self.mixing, "needs_state", False):
             return MixState(0.0, 0, 0, 0)
-        pending = sum(self.kv.pages_for(r.num_uncomputed) for r in self.waiting)
-        pending += sum(self.kv.pages_for(r.num_uncomputed) for r in self.running if r.in_prefill)
-        decoding = sum(1 for r in self.running if not r.in_prefill)
+        ps = self.kv.page_size
+        pending = decoding = 0
+        for r in itertools.chain(self.waiting, self.running):
+            n = r.num_uncomputed
+            if r.status is RequestStatus.WAITING or n > 1:
+                pending += -(-n // ps)
+            else:
+                decoding += 1
         return MixState(self.kv.usage, pending, self.kv.num_evictable, decoding)
 
     def _schedule_running(self, prefill: bool, decode: bool) -> None:
         """Decodes first, then chunks of requests mid-prefill, so that a chunk takes what the
         decodes leave of the budget and the iteration never exceeds it."""
+        # the split is computed once per pass (``in_prefill`` inlined: this loop runs for
+        # every running request on every iteration, the simulator's hottest path)
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            n = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed
+            (prefilling if n > 1 else decoding).append(r)
         if decode:
-            for req in [r for r in self.running if not r.in_prefill]:
-                if req.status is RequestStatus.RUNNING and req.request_id not in self._scheduled \
+            scheduled = self._scheduled
+            for req in decoding:
+                if req.status is RequestStatus.RUNNING and req.request_id not in scheduled \
                         and self._reserve(req, req.num_computed + 1):
                     self._add(req, 1)
         if prefill:
-            for req in [r for r in self.running if r.in_prefill]:
+            for req in prefilling:
                 if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
                     continue  # retracted earlier in this pass
                 n = int(min(req.num_uncomputed, self._chunk, self._budget))
@@ -169,7 +189,7 @@ class Scheduler:
             self._budget += seq.num_tokens
             if not seq.is_decode:
                 self._prefill_tokens -= seq.num_tokens
-        self.kv.release(req.request_id, req.all_token_ids, req.num_computed)
+        self._release(req)
         req.num_computed = 0
         req.num_retractions += 1
         self.running.remove(req)
@@ -231,7 +251,7 @@ class Scheduler:
                 continue
             if verdict == Admit.WAIT or chunk_pages > headroom:
                 break
-            cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1)
+            cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=nodes)
             ok = self.kv.allocate(req.request_id, cached + n)
             assert ok, "admission checked the pool"
             if req.num_retractions == 0:
@@ -270,7 +290,9 @@ class Scheduler:
             before = req.num_computed
             req.num_computed = seq.end
             if self.kv.enable_prefix_caching and seq.end // ps > before // ps:
-                self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+                start = self.kv.committed_tokens(req.request_id)
+                self.kv.commit(req.request_id, req.tokens(start, req.num_computed),
+                               req.num_computed, offset=start)
         if batch.num_decodes:
             step = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / NEW_TOKEN_RATIO_STEPS
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - step)

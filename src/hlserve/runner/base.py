@@ -9,7 +9,7 @@ from hlserve.models.config import ModelConfig
 from hlserve.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One request's share of an iteration: tokens ``[start, start + num_tokens)``."""
 
