@@ -506,7 +506,7 @@ def plot_components(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Pa
         comp = components(groups[key])
         vals = [100 * comp.get(k, float("nan")) for k in labels]
         ax.bar([i + j * width for i in range(len(labels))], vals, width,
-               label=f"{key[0] // 1024}K, {key[1]} sessions")
+               color=plt.cm.tab20(j % 20), label=f"{key[0] // 1024}K, {key[1]} sessions")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
     ax.set_xticklabels([COMPONENT_LABELS[k] for k in labels], fontsize=7)
