@@ -59,6 +59,33 @@ def test_concurrent_duplicate_pages_are_shared_on_commit() -> None:
     assert kv.num_used == 0 and kv.num_evictable == 2
 
 
+def test_commit_from_an_offset_equals_a_full_commit() -> None:
+    """The scheduler passes only the tokens after the committed pages (``offset``): the tree
+    must come out as if it had passed the whole context."""
+    toks = list(range(6 * PS))
+    full, tail = KVCacheManager(num_pages=8, page_size=PS), KVCacheManager(num_pages=8, page_size=PS)
+    for kv in (full, tail):
+        kv.admit("a", toks, len(toks) - 1)
+        kv.allocate("a", len(toks))
+    full.commit("a", toks, 2 * PS)
+    tail.commit("a", toks[: 2 * PS], 2 * PS)
+    assert tail.committed_tokens("a") == 2 * PS
+    full.commit("a", toks, 5 * PS + 1)
+    tail.commit("a", toks[2 * PS : 5 * PS + 1], 5 * PS + 1, offset=2 * PS)
+    assert full.page_table("a") == tail.page_table("a") and tail.committed_tokens("a") == 5 * PS
+    # a later request sees the same cached prefix in both
+    assert full.match_prefix(toks) and [n.key for n in full.match_prefix(toks)] == \
+        [n.key for n in tail.match_prefix(toks)]
+    # tokens that start after the committed pages cannot be placed: refused, nothing changed
+    with pytest.raises(ValueError):
+        tail.commit("a", toks[5 * PS + PS :], 6 * PS, offset=6 * PS)
+    tail.release("a", toks[5 * PS :], 6 * PS, offset=5 * PS)
+    full.release("a", toks, 6 * PS)
+    for kv in (full, tail):
+        kv.check_invariants()
+        assert kv.num_evictable == 6 and kv.num_used == 0
+
+
 def test_allocate_fails_without_side_effects() -> None:
     kv = KVCacheManager(num_pages=2, page_size=PS)
     kv.admit("a", [1], 0)

@@ -35,6 +35,26 @@ def test_same_scheduler_and_virtual_time() -> None:
     assert 0.01 < s["median_tpot_ms"] / 1e3 < 0.2
 
 
+def test_step_requests_are_the_requests_step_reports() -> None:
+    """Drivers that read only finished requests use ``step_requests``; ``step`` is the same
+    iteration with a snapshot of each touched request."""
+    a, b = (build_sim_engine("Qwen2.5-32B", "H20", 8, mode="throughput") for _ in range(2))
+    index: dict[str, int] = {}  # request id -> submission order, the same in both engines
+    for e in (a, b):
+        for i, n in enumerate((3000, 5000)):
+            req = e.add_request(list(range(10, 10 + n)), SamplingParams(max_tokens=4, ignore_eos=True))
+            index[req.request_id] = i
+    steps = 0
+    while a.has_unfinished() or b.has_unfinished():
+        reqs = a.step_requests()
+        outs = b.step()
+        steps += 1
+        assert [(index[r.request_id], list(r.output_token_ids), r.finished) for r in reqs] == \
+            [(index[o.request_id], o.token_ids, o.finished) for o in outs]
+    assert steps >= 4
+    assert a.clock() == b.clock() > 0
+
+
 def test_deterministic() -> None:
     def run() -> dict:
         e = build_sim_engine("Qwen2.5-32B", "H20", 8, preset="sglang")
