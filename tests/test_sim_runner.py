@@ -130,3 +130,14 @@ def test_steady_state_ramp_and_stall() -> None:
     res = run_agent_steady(engine, w, duration=20.0, warmup=5.0)
     assert res.stalled and res.stalled_at == 0.0 and not res.records
     assert engine.clock() == pytest.approx(25.0) and res.duration == pytest.approx(20.0)
+
+
+def test_steady_state_progress_bar_survives_overshooting_the_window() -> None:
+    """The last iteration ends past the window (a multi-second prefill): the progress bar
+    must clamp at its total instead of failing when it formats."""
+    engine = build_sim_engine("Qwen2.5-32B", "H20", 8, mode="throughput")
+    wl = AgentWorkload(sessions=1, rounds=1, system_prompt_len=60000, task_len=16,
+                       tool_output_len=(16, 32), output_len=(8, 16), vocab=(3, 150000))
+    res = run_agent_steady(engine, wl, duration=1.0, progress=True)
+    assert engine.clock() > 1.5  # one greedy 60K prefill: far past the window
+    assert res.duration == pytest.approx(1.0)

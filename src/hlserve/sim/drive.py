@@ -197,7 +197,8 @@ def run_agent_steady(engine: Engine, workload: AgentWorkload, duration: float,
             else:
                 submit(sess)
         if progress and engine.clock() - last > 1.0:
-            bar.update(engine.clock() - last)
+            # never past the total: tqdm drops a total it has overrun, and the format fails
+            bar.update(max(0.0, min(engine.clock() - last, bar.total - bar.n)))
             last = engine.clock()
     bar.close()
     for rid in inflight:  # requests still running: their tokens so far, exactly
