@@ -392,7 +392,7 @@ def _calibrate(model_dir: str, name: str, quick: bool, device: str, progress: bo
     base = Hardware(
         name=name, peak_flops=peak, mem_bw=bw, mem_gib=0.0, link_bw=0.0, arch=device.split(":")[0],
         dtype_bytes=dbytes, gemm_eta_max=g.eta_max, gemm_ridge_frac=g.ridge_frac,
-        gemm_eta_mem=g.eta_mem, kernel_time=g.t_kernel, decode_attn_padded=True, launch_time=0.0,
+        gemm_eta_mem=g.eta_mem, kernel_time=g.t_kernel, decode_attn_padded=False, launch_time=0.0,
         kernels_per_layer=0, graph_max_batch=0, allreduce=(),
         source={"peak": "measured: square matmul (8192 on GPU, 1024 on CPU), copy (1 GiB / 64 MiB)",
                 "gemm": f"fitted to this model's GEMM shapes ({len(gs.time)} timings)",
