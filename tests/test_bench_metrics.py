@@ -10,9 +10,14 @@ import pytest
 
 from hlserve.bench import report
 from hlserve.bench.metrics import SLO, RequestRecord, summarize
-from hlserve.bench.open_workloads import ScaledTrace, chains, trace_requests, trace_sessions
 from hlserve.bench.sweep import Point, make_points, parse_sizes, server_command
-from hlserve.bench.workloads import MooncakeTrace
+from hlserve.bench.workloads import (
+    MooncakeTrace,
+    ScaledTrace,
+    chains,
+    trace_requests,
+    trace_sessions,
+)
 
 
 def rec(start: float, chunks: list[float], n_out: int, n_in: int = 100, ok: bool = True,

@@ -34,8 +34,16 @@ from tqdm import tqdm
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
 from hlserve.bench.metrics import SLO, RequestRecord, summarize
-from hlserve.bench.open_workloads import OpenRequest, ScaledTrace, trace_requests, trace_sessions
-from hlserve.bench.workloads import AgentWorkload, Dist, MooncakeTrace, PoissonChat
+from hlserve.bench.workloads import (
+    AgentWorkload,
+    Dist,
+    MooncakeTrace,
+    OpenRequest,
+    PoissonChat,
+    ScaledTrace,
+    trace_requests,
+    trace_sessions,
+)
 
 WORKLOADS = ("agent", "chat", "trace")
 
