@@ -133,7 +133,8 @@ def test_different_seeds_differ(llm) -> None:
 
 def test_top_k_1_and_tiny_top_p_are_greedy(llm, greedy_refs) -> None:
     for params in (sampled(temperature=5.0, top_k=1), sampled(seed=3, temperature=2.0, top_k=1),
-                   sampled(temperature=1.5, top_p=1e-6), sampled(seed=4, top_p=1e-6)):
+                   sampled(temperature=1.5, top_p=1e-6), sampled(seed=4, top_p=1e-6),
+                   sampled(seed=5, temperature=3.0, min_p=1.0)):
         assert [o.token_ids for o in gen(llm, PROMPTS, params)] == greedy_refs, params
 
 
@@ -168,13 +169,16 @@ def test_top_k_against_transformers_logits(llm, hf) -> None:
 PROBS = torch.tensor([0.5, 0.3, 0.2])
 
 
-def _expected(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def _expected(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     p = PROBS ** (1 / temperature)
+    p = p / p.sum()
+    # vLLM's order: min-p on the tempered distribution, then top-k and top-p over what is left
+    p = torch.where(p >= min_p * p.max(), p, torch.zeros(3))
     p = p / p.sum()
     keep = torch.zeros(3, dtype=torch.bool)
     mass = 0.0
     for i in range(3):  # PROBS is sorted, and tempering keeps the order
-        if (top_k > 0 and i >= top_k) or (i > 0 and mass >= top_p):
+        if p[i] == 0 or (top_k > 0 and i >= top_k) or (i > 0 and mass >= top_p):
             break
         keep[i] = True
         mass += float(p[i])
@@ -183,22 +187,25 @@ def _expected(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p",
-    [(1.0, -1, 1.0), (2.0, -1, 1.0), (0.5, -1, 1.0), (1.0, -1, 0.75), (1.0, 2, 1.0),
-     (2.0, 2, 0.6)],
+    "temperature,top_k,top_p,min_p",
+    [(1.0, -1, 1.0, 0.0), (2.0, -1, 1.0, 0.0), (0.5, -1, 1.0, 0.0), (1.0, -1, 0.75, 0.0),
+     (1.0, 2, 1.0, 0.0), (2.0, 2, 0.6, 0.0),
+     (1.0, -1, 1.0, 0.5), (2.0, -1, 1.0, 0.7), (0.5, -1, 1.0, 0.3), (1.0, -1, 0.9, 0.5)],
 )
-def test_sampling_frequencies(llm, temperature: float, top_k: int, top_p: float) -> None:
+def test_sampling_frequencies(llm, temperature: float, top_k: int, top_p: float,
+                              min_p: float) -> None:
     runner = llm.engine.runner
     draws = 4000
     logits = PROBS.log().repeat(draws, 1)
     # a seed per row: independent draws, and the same ones whatever ran before
     reqs = [Request(prompt_token_ids=[1], params=SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=i)) for i in range(draws)]
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=i))
+        for i in range(draws)]
     out = runner.sample(logits, reqs)
     for r in reqs:
         runner.release(r.request_id)
     freq = torch.bincount(out, minlength=3).float() / draws
-    want = _expected(temperature, top_k, top_p)
+    want = _expected(temperature, top_k, top_p, min_p)
     # 4000 draws: one standard deviation is at most 0.008
     assert torch.allclose(freq, want, atol=0.03), f"drew {freq.tolist()}, expected {want.tolist()}"
 

@@ -292,6 +292,10 @@ def test_vllm_extras(client, offline) -> None:
               extra_body={"ignore_eos": True})
     assert client.completions.create(**kw).choices[0].text == \
         client.completions.create(**kw).choices[0].text
+    # min_p = 1 keeps only the most likely token: sampling at any temperature is greedy
+    c = client.completions.create(model=MODEL, prompt=TOKEN_PROMPT, max_tokens=N_TOKENS,
+                                  temperature=2.0, seed=5, extra_body={**EXTRA, "min_p": 1.0})
+    assert c.choices[0].token_ids == ref.token_ids
 
 
 def test_retraction_under_kv_pressure_keeps_greedy_outputs(server, http, offline) -> None:
@@ -365,6 +369,8 @@ BAD: dict[str, tuple] = {
     "top-p-large": ("/v1/completions", {**OK_BODY, "top_p": 1.5}, {}, 400, "top_p", "top_p", None),
     "top-k-negative": ("/v1/completions", {**OK_BODY, "top_k": -2}, {}, 400, "top_k", "top_k",
                        None),
+    "min-p-above-1": ("/v1/completions", {**OK_BODY, "min_p": 1.5}, {}, 400,
+                      "min_p must be in [0, 1]", "min_p", None),
     "max-tokens-zero": ("/v1/completions", {**OK_BODY, "max_tokens": 0}, {}, 400,
                         "max_tokens must be at least 1", "max_tokens", None),
     "min-tokens-above-max": ("/v1/completions", {**OK_BODY, "min_tokens": 5}, {}, 400,

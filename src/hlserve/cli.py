@@ -101,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     llm = LLM(args.model, **engine_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k)
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     for prompt in args.prompt:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         print(f"--- prompt: {prompt!r}\n{out.text}\n--- {len(out.token_ids)} tokens, "
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 

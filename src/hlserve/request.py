@@ -19,6 +19,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's (0: off)
     seed: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -40,6 +41,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

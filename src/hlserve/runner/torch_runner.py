@@ -101,8 +101,9 @@ class TorchRunner(Runner):
         return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Greedy at temperature 0, else temperature / top-k / top-p sampling; EOS and stop
-        ids are masked until ``min_tokens`` is reached (as vLLM and transformers do)."""
+        """Greedy at temperature 0, else temperature / min-p / top-k / top-p sampling (vLLM's
+        order); EOS and stop ids are masked until ``min_tokens`` is reached (as vLLM and
+        transformers do)."""
         for i, r in enumerate(reqs):
             p = r.params
             if len(r.output_token_ids) < p.min_tokens:
@@ -118,6 +119,9 @@ class TorchRunner(Runner):
         params = [reqs[i].params for i in random_rows]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         sub = sub / temps.unsqueeze(1)
+        min_p = [p.min_p for p in params]
+        if max(min_p) > 0:
+            sub = _apply_min_p(sub, min_p)
         top_k = [p.top_k if p.top_k > 0 else sub.shape[1] for p in params]
         top_p = [p.top_p for p in params]
         if min(top_k) < sub.shape[1] or min(top_p) < 1.0:
@@ -142,6 +146,15 @@ class TorchRunner(Runner):
 
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the most likely one (row by row); the
+    most likely token always survives."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = torch.tensor(min_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    floor = floor * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, -float("inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -132,7 +132,7 @@ class _Common(_Strict):
         if self.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per prompt); got {self.n}", param="n",
                            code="invalid_value")
-        for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and value != 0:
                 raise ApiError(400, f"{name} is not supported by this server; got {value}",
@@ -158,6 +158,7 @@ class _Common(_Strict):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
                 seed=self.seed,
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
@@ -300,7 +301,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens",
+SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
                    "stop", "stop_token_ids", "prompt"}
 
 
