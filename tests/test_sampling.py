@@ -210,6 +210,46 @@ def test_sampling_frequencies(llm, temperature: float, top_k: int, top_p: float,
     assert torch.allclose(freq, want, atol=0.03), f"drew {freq.tolist()}, expected {want.tolist()}"
 
 
+# ---- logprobs -------------------------------------------------------------------------------
+
+
+def test_logprobs_match_transformers(llm, hf, greedy_refs) -> None:
+    """Each generated token's logprob and the top alternatives are the model's raw
+    distribution at that position: transformers' log-softmax of the same weights."""
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = gen(llm, PROMPTS[:2], params)
+    for prompt, out, ref in zip(PROMPTS[:2], outs, greedy_refs, strict=False):
+        assert out.token_ids == ref  # asking for logprobs changes nothing generated
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        ids = llm.tokenizer.encode(prompt) + out.token_ids
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        n = len(out.prompt_token_ids)
+        for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            row = lp[n - 1 + i]
+            assert entry.logprob == pytest.approx(float(row[tok]), abs=1e-3)
+            want = row.topk(5)
+            assert [t for t, _ in entry.top] == want.indices.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(want.values.tolist(), abs=1e-3)
+            assert entry.top[0][0] == tok  # greedy: the sampled token is the most likely
+
+
+def test_logprobs_of_sampled_tokens_and_off_by_default(llm) -> None:
+    # sampled at a high temperature, the token is often not the top one: its own logprob is
+    # reported, from the raw (untempered) distribution
+    out = gen(llm, PROMPTS[:1], sampled(seed=7, temperature=3.0, logprobs=1))[0]
+    assert out.logprobs is not None and all(len(e.top) == 1 for e in out.logprobs)
+    assert all(e.logprob <= e.top[0][1] + 1e-6 for e in out.logprobs)
+    off_top = [e for tok, e in zip(out.token_ids, out.logprobs, strict=True) if tok != e.top[0][0]]
+    assert off_top and all(e.logprob < e.top[0][1] for e in off_top)
+    zero = gen(llm, PROMPTS[:1], sampled(seed=7, temperature=3.0, logprobs=0))[0]
+    assert zero.token_ids == out.token_ids and all(e.top == () for e in zero.logprobs)
+    assert [e.logprob for e in zero.logprobs] == pytest.approx([e.logprob for e in out.logprobs])
+    assert gen(llm, PROMPTS[:1], sampled(seed=7))[0].logprobs is None
+    with pytest.raises(Exception, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
 # ---- stopping -------------------------------------------------------------------------------
 
 

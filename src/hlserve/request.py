@@ -26,6 +26,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    # log-probabilities of each sampled token and of the ``logprobs`` most likely ones, from
+    # the model's raw distribution (vLLM's default); None: not computed
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -51,6 +54,10 @@ class SamplingParams:
             )
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
@@ -65,6 +72,7 @@ class SamplingParams:
 
 
 _SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
 
 
 def _is_int(x: object) -> bool:
@@ -107,6 +115,14 @@ class RequestClass(str, enum.Enum):
     AGENT = "agent"
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely alternatives' (best first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 _ids = itertools.count()
 _seqs = itertools.count()
 
@@ -142,6 +158,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # per output token, when params.logprobs is set: (its logprob, [(id, logprob)] top ones)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # text state, owned by the output processor
     output_text: str = ""
     stop_reason: str | int | None = None
@@ -202,6 +220,7 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
@@ -215,6 +234,7 @@ class RequestOutput:
             stop_reason=req.stop_reason,
             error=req.error,
             num_cached_tokens=req.num_cached_prompt,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             metrics={
                 "arrival_time": req.arrival_time,
                 "first_scheduled_time": req.first_scheduled_time,

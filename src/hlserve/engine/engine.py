@@ -24,6 +24,7 @@ from hlserve.request import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    TokenLogprobs,
 )
 from hlserve.runner.base import Batch, Runner
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -209,7 +210,8 @@ class Engine:
             if not seq.samples:
                 continue
             req = seq.request
-            self._append(req, result.tokens[req.request_id], now)
+            self._append(req, result.tokens[req.request_id], now,
+                         result.logprobs.get(req.request_id))
             touched.append(req)
 
     def _fail_batch(self, batch: Batch, exc: Exception, touched: list[Request]) -> None:
@@ -225,9 +227,14 @@ class Engine:
                 f"{self._consecutive_failures} forwards failed in a row; last: {exc}"
             ) from exc
 
-    def _append(self, req: Request, token: int, now: float) -> None:
+    def _append(self, req: Request, token: int, now: float,
+                logprobs: TokenLogprobs | None = None) -> None:
         req.output_token_ids.append(token)
         req.token_times.append(now)
+        if req.params.logprobs is not None:
+            # a runner that computes none (the simulator) leaves a neutral entry, so the list
+            # stays one per token
+            req.output_logprobs.append(logprobs or TokenLogprobs(0.0))
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params

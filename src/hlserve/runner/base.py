@@ -6,7 +6,7 @@ import abc
 from dataclasses import dataclass, field
 
 from hlserve.models.config import ModelConfig
-from hlserve.request import Request
+from hlserve.request import Request, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -58,6 +58,8 @@ class StepResult:
 
     tokens: dict[str, int]
     elapsed: float
+    # for requests whose params ask for logprobs (runners that compute them)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class Runner(abc.ABC):

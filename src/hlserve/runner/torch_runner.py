@@ -11,7 +11,7 @@ from hlserve.config import EngineConfig
 from hlserve.models.attention import AttentionMetadata, Segment
 from hlserve.models.config import ModelConfig
 from hlserve.models.loader import load_model, resolve_dtype
-from hlserve.request import Request
+from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.runner.cpu_alloc import keep_freed_memory
 
@@ -94,11 +94,17 @@ class TorchRunner(Runner):
                 rows.append(end - 1)
                 reqs.append(seq.request)
         tokens: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         if rows:
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+            # the model's raw distribution, before min_tokens masking and temperature
+            raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None
             sampled = self.sample(logits, reqs).tolist()
             tokens = {r.request_id: t for r, t in zip(reqs, sampled, strict=True)}
-        return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0)
+            if raw is not None:
+                logprobs = _token_logprobs(raw, [reqs[i] for i in want], [sampled[i] for i in want])
+        return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0, logprobs=logprobs)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Greedy at temperature 0, else temperature / min-p / top-k / top-p sampling (vLLM's
@@ -146,6 +152,20 @@ class TorchRunner(Runner):
 
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+
+
+def _token_logprobs(raw: torch.Tensor, reqs: list[Request], sampled: list[int]
+                    ) -> dict[str, TokenLogprobs]:
+    """Each row's sampled-token logprob and its request's top ``logprobs`` (best first)."""
+    k = max(r.params.logprobs or 0 for r in reqs)
+    top_v, top_i = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
+    chosen = raw.gather(1, torch.tensor(sampled, device=raw.device).unsqueeze(1)).squeeze(1)
+    out = {}
+    for j, r in enumerate(reqs):
+        n = r.params.logprobs or 0
+        top = tuple(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True))
+        out[r.request_id] = TokenLogprobs(float(chosen[j]), top)
+    return out
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
