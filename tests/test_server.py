@@ -298,6 +298,53 @@ def test_vllm_extras(client, offline) -> None:
     assert c.choices[0].token_ids == ref.token_ids
 
 
+def test_logprobs_completions_and_chat(client, offline) -> None:
+    """Logprobs over HTTP are the engine's, in OpenAI's two shapes, streamed or not."""
+    params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    ref = offline_text(offline, TOKEN_PROMPT, params)
+    want = [e.logprob for e in ref.logprobs]
+    c = client.completions.create(model=MODEL, prompt=TOKEN_PROMPT, max_tokens=N_TOKENS,
+                                  temperature=0, logprobs=3, extra_body=EXTRA)
+    lp = c.choices[0].logprobs
+    assert c.choices[0].token_ids == ref.token_ids
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == N_TOKENS
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    # greedy: each token is its own most likely alternative
+    assert all(max(top.values()) == pytest.approx(t, abs=1e-4)
+               for top, t in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N_TOKENS)]
+    # streamed: the chunks' logprobs concatenate to the same lists
+    chunks = list(client.completions.create(model=MODEL, prompt=TOKEN_PROMPT,
+                                            max_tokens=N_TOKENS, temperature=0, logprobs=3,
+                                            stream=True, extra_body=EXTRA))
+    parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [x for p in parts for x in p.token_logprobs] == pytest.approx(want, abs=1e-4)
+    assert [x for p in parts for x in p.text_offset] == lp.text_offset
+    assert [x for p in parts for x in p.tokens] == lp.tokens
+    # chat: one entry per token, with bytes and the asked-for alternatives
+    ch = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=N_TOKENS,
+                                        temperature=0, logprobs=True, top_logprobs=2,
+                                        extra_body={"ignore_eos": True})
+    content = ch.choices[0].logprobs.content
+    assert len(content) == N_TOKENS
+    for item in content:
+        assert item.logprob <= 0 and bytes(item.bytes).decode("utf-8") == item.token
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == \
+            pytest.approx(item.logprob, abs=1e-4)
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=N_TOKENS, temperature=0, logprobs=True,
+        stream=True, extra_body={"ignore_eos": True}))
+    items = [x for s in streamed if s.choices and s.choices[0].logprobs
+             for x in s.choices[0].logprobs.content]
+    assert [x.logprob for x in items] == pytest.approx([x.logprob for x in content], abs=1e-4)
+    assert all(x.top_logprobs == [] for x in items)
+    # not asked for: null, as before
+    plain = client.completions.create(model=MODEL, prompt=TOKEN_PROMPT, max_tokens=2,
+                                      temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_retraction_under_kv_pressure_keeps_greedy_outputs(server, http, offline) -> None:
     """Eight requests of 104 tokens do not fit 640 KV slots at once: the engine retracts,
     the metrics count it, and every output is still the offline one."""
@@ -354,8 +401,13 @@ BAD: dict[str, tuple] = {
                       "Unrecognized request argument supplied: temprature", "temprature",
                       "unknown_parameter"),
     "n-2": ("/v1/completions", {**OK_BODY, "n": 2}, {}, 400, "n must be 1", "n", None),
-    "logprobs": ("/v1/completions", {**OK_BODY, "logprobs": 2}, {}, 400, "logprobs", "logprobs",
-                 "unsupported_parameter"),
+    "logprobs-too-many": ("/v1/completions", {**OK_BODY, "logprobs": 21}, {}, 400,
+                          "logprobs must be an integer in [0, 20]", "logprobs", None),
+    "top-logprobs-without-logprobs": ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2},
+                                      {}, 400, "requires logprobs", "top_logprobs", None),
+    "top-logprobs-too-many": ("/v1/chat/completions",
+                              {**CHAT_BODY, "logprobs": True, "top_logprobs": 25}, {}, 400,
+                              "top_logprobs must be in [0, 20]", "top_logprobs", None),
     "penalty": ("/v1/chat/completions", {**CHAT_BODY, "presence_penalty": 0.5}, {}, 400,
                 "presence_penalty", "presence_penalty", "unsupported_parameter"),
     "stream-options-alone": ("/v1/completions", {**OK_BODY,

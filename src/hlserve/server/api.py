@@ -29,10 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError
-from hlserve.request import RequestOutput, SamplingParams
+from hlserve.request import RequestOutput, SamplingParams, TokenLogprobs
 from hlserve.server.args import REQUEST_CLASSES, ServerSettings
 from hlserve.server.auth import KeyTable
 from hlserve.server.bridge import EngineBridge, RequestFailed, RequestGroup, Submission
+from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
     ApiError,
@@ -46,6 +47,7 @@ from hlserve.server.protocol import (
     usage,
     validation_error,
 )
+from hlserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hlserve.server")
 
@@ -383,13 +385,15 @@ def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None =
         group = await submit(rid, prompts, params, rclass, req.priority, arrival)
         model = req.model or st.model_name
         if req.stream:
-            fmt = _CompletionChunks(rid, model, req.return_token_ids)
+            fmt = _CompletionChunks(rid, model, req.return_token_ids, st.tokenizer)
             return EngineStreamResponse(
                 stream(group, fmt, req.stream_options), group.abort_unfinished)
         outs = await collect(request, group)
         if outs is None:
             return Response(status_code=499)
-        choices = [{"index": i, "text": o.text, "logprobs": None,
+        choices = [{"index": i, "text": o.text,
+                    "logprobs": None if o.logprobs is None else
+                    completion_logprobs(st.tokenizer, o.token_ids, o.logprobs),
                     "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
                    for i, o in enumerate(outs)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": now_s(),
@@ -425,7 +429,7 @@ def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None =
         group = await submit(rid, [ids], [params], rclass, req.priority, arrival)
         model = req.model or st.model_name
         if req.stream:
-            fmt = _ChatChunks(rid, model, req.return_token_ids)
+            fmt = _ChatChunks(rid, model, req.return_token_ids, st.tokenizer)
             return EngineStreamResponse(
                 stream(group, fmt, req.stream_options), group.abort_unfinished)
         outs = await collect(request, group)
@@ -433,7 +437,9 @@ def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None =
             return Response(status_code=499)
         o = outs[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
-                  "logprobs": None, "finish_reason": o.finish_reason,
+                  "logprobs": None if o.logprobs is None else
+                  chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
+                  "finish_reason": o.finish_reason,
                   **common_choice(o, req.return_token_ids)}
         return JSONResponse({"id": rid, "object": "chat.completion", "created": now_s(),
                              "model": model, "choices": [choice], "usage": total_usage(outs)})
@@ -447,9 +453,12 @@ def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None =
 class _Chunks:
     object = ""
 
-    def __init__(self, rid: str, model: str, return_ids: bool) -> None:
+    def __init__(self, rid: str, model: str, return_ids: bool,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.rid, self.model, self.return_ids = rid, model, return_ids
+        self.tokenizer = tokenizer
         self.created = now_s()
+        self._text_offset: dict[int, int] = {}  # completions: where the next token's text starts
 
     def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": self.object, "created": self.created,
@@ -462,9 +471,16 @@ class _Chunks:
                first: bool) -> dict[str, Any]:
         raise NotImplementedError
 
-    def finish_fields(self, out: RequestOutput, new_ids: list[int],
+    def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
+        return None
+
+    def _new_entries(self, out: RequestOutput, new_ids: list[int]) -> list[TokenLogprobs]:
+        assert out.logprobs is not None
+        return out.logprobs[len(out.token_ids) - len(new_ids) : len(out.token_ids)]
+
+    def finish_fields(self, index: int, out: RequestOutput, new_ids: list[int],
                       first: bool) -> dict[str, Any]:
-        fields: dict[str, Any] = {"logprobs": None,
+        fields: dict[str, Any] = {"logprobs": self.logprobs(index, out, new_ids),
                                   "finish_reason": out.finish_reason if out.finished else None}
         if out.finished:
             fields["stop_reason"] = out.stop_reason
@@ -480,7 +496,15 @@ class _CompletionChunks(_Chunks):
 
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
-        return {"index": index, "text": text, **self.finish_fields(out, new_ids, first)}
+        return {"index": index, "text": text, **self.finish_fields(index, out, new_ids, first)}
+
+    def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
+        if out.logprobs is None:
+            return None
+        lp = completion_logprobs(self.tokenizer, new_ids, self._new_entries(out, new_ids),
+                                 self._text_offset.get(index, 0))
+        self._text_offset[index] = self._text_offset.get(index, 0) + sum(map(len, lp["tokens"]))
+        return lp
 
 
 class _ChatChunks(_Chunks):
@@ -493,7 +517,12 @@ class _ChatChunks(_Chunks):
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
         delta = {"content": text} if text or not out.finished else {}
-        return {"index": index, "delta": delta, **self.finish_fields(out, new_ids, first)}
+        return {"index": index, "delta": delta, **self.finish_fields(index, out, new_ids, first)}
+
+    def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
+        if out.logprobs is None:
+            return None
+        return chat_logprobs(self.tokenizer, new_ids, self._new_entries(out, new_ids))
 
 
 async def stream(group: RequestGroup, fmt: _Chunks, options: Any) -> AsyncIterator[str]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hlserve.errors import InvalidRequestError
-from hlserve.request import SamplingParams
+from hlserve.request import MAX_LOGPROBS, SamplingParams
 
 # ---- errors ---------------------------------------------------------------------------------
 
@@ -151,6 +151,10 @@ class _Common(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
             return SamplingParams(
@@ -165,6 +169,7 @@ class _Common(_Strict):
                 stop=self.stop,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=self.requested_logprobs,
             )
         except InvalidRequestError as e:
             raise invalid_request(str(e)) from None
@@ -186,12 +191,13 @@ class CompletionRequest(_Common):
         if self.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo",
                            code="unsupported_parameter")
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
-                           code="unsupported_parameter")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", param="suffix",
                            code="unsupported_parameter")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: each item text or token ids."""
@@ -269,11 +275,18 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs",
-                           code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true",
+                           param="top_logprobs", code="invalid_value")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                           f"{self.top_logprobs}", param="top_logprobs", code="invalid_value")
         if self.tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported by "
                            "this server", param="tool_choice", code="unsupported_parameter")
@@ -302,6 +315,7 @@ def _is_int(x: object) -> bool:
 
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
+                   "logprobs",
                    "stop", "stop_token_ids", "prompt"}
 
 
