@@ -53,3 +53,23 @@ def test_a_runner_that_keeps_failing_kills_the_engine() -> None:
     with pytest.raises(EngineDeadError, match="3 forwards failed in a row"):
         for _ in range(10):
             engine.step()
+
+
+def test_cpu_threads_knob(tiny_llama) -> None:
+    """``cpu_threads`` sets torch's intra-op threads when the runner starts on a CPU (the
+    sweeps' ``--threads 1``, as an engine option); it must be positive."""
+    import torch
+
+    from hlserve.llm import LLM
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(str(tiny_llama), dtype="float32", num_pages=64, cpu_threads=1)
+        assert torch.get_num_threads() == 1
+        out = llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        assert len(out[0].token_ids) == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(model="-", cpu_threads=0)

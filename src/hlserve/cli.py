@@ -31,6 +31,7 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "dtype": (["--dtype"], "auto | float32 | bfloat16 | float16"),
     "device": (["--device"], "auto | cpu | cuda | cuda:N"),
     "seed": (["--seed"], "seed of the sampler for requests without their own seed"),
+    "cpu_threads": (["--cpu-threads"], "torch threads on a CPU (unset: torch's choice)"),
     "page_size": (["--page-size", "--block-size"], "tokens per KV page"),
     "num_pages": (["--num-pages", "--num-gpu-blocks-override"], "KV pool size in pages"),
     "kv_cache_gb": (["--kv-cache-gb"], "KV pool size in GiB (when --num-pages is unset)"),

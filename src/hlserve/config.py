@@ -20,6 +20,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto (cuda if present) | cpu | cuda | cuda:N
     seed: int = 0
+    # torch intra-op threads on a CPU (process-wide; None: torch's choice). On a machine
+    # other jobs share, one thread can be several times faster than oversubscribed OpenMP.
+    cpu_threads: int | None = None
     # KV pool (safety caps)
     page_size: int = 16
     num_pages: int | None = None  # overrides kv_cache_gb
@@ -62,7 +65,8 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("chunk_size", "token_budget", "num_pages", "max_model_len", "prefill_delay",
+        for name in ("cpu_threads", "chunk_size", "token_budget", "num_pages", "max_model_len",
+                     "prefill_delay",
                      "max_prefill_tokens", "max_chunked_prefills", "lpm_fcfs_fallback",
                      "budget_max", "interactive_chunk_size", "interactive_token_budget"):
             value = getattr(self, name)

@@ -29,6 +29,8 @@ class TorchRunner(Runner):
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            if config.cpu_threads is not None:
+                torch.set_num_threads(config.cpu_threads)
         mc = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
