@@ -134,13 +134,18 @@ class TorchRunner(Runner):
         top_p = [p.top_p for p in params]
         if min(top_k) < sub.shape[1] or min(top_p) < 1.0:
             sub = _apply_top_k_top_p(sub, top_k, top_p)
-        probs = torch.softmax(sub, dim=-1)
-        # exponential race: argmax(p / E) with E ~ Exp(1) is a sample from p; each seeded
-        # request draws its noise from its own generator, so its output is reproducible
-        noise = torch.empty_like(probs)
+        # inverse CDF: one uniform draw per row picks the first token whose cumulative
+        # probability exceeds it. Each seeded request draws from its own generator, so its
+        # output is reproducible whatever else is in the batch. (An exponential race needs a
+        # draw per vocabulary entry: 12% of a 16-sequence decode step of a 152K-vocab model.)
+        cdf = torch.softmax(sub.float(), dim=-1).cumsum_(dim=-1)
+        u = torch.empty(len(random_rows), 1, device=logits.device)
         for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=self._generator_for(reqs[i]))
-        greedy[idx] = (probs / noise).argmax(dim=-1)
+            u[j].uniform_(generator=self._generator_for(reqs[i]))
+        # right=True: the first index whose cdf is strictly above u x total, never a token of
+        # zero probability (the cdf is flat across those)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        greedy[idx] = picked.clamp_(max=cdf.shape[1] - 1)
         return greedy
 
     def _generator_for(self, req: Request) -> torch.Generator:
