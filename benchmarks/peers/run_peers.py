@@ -44,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
-from hlserve.bench.sweep import ExternalServer, free_port
+from hlserve.server.launch import ExternalServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"

@@ -22,22 +22,15 @@ Output (``--out DIR``): ``points/<label>.json`` (each point's full result) and
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
-import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hlserve.bench import report
 from hlserve.bench.client import ServerInfo
@@ -45,6 +38,7 @@ from hlserve.bench.metrics import RequestRecord, summarize
 from hlserve.bench.serve_bench import BenchSpec, _agent_sessions, _Recorder, run_bench
 from hlserve.errors import InvalidRequestError
 from hlserve.request import SamplingParams
+from hlserve.server.launch import ExternalServer, free_port
 
 UNLIMITED = ("none", "unlimited", "inf", "off")
 
@@ -217,122 +211,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
         gc.collect()
 
 
-# ---- external servers ---------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        return s.connect_ex((host, port)) != 0
-
-
-class ExternalServer:
-    """A server command in its own process group: started, waited for on ``/health``,
-    stopped with SIGINT, SIGTERM, then SIGKILL to the whole group."""
-
-    def __init__(self, cmd: list[str], host: str, port: int, log_path: Path | None = None,
-                 env: dict[str, str] | None = None, health_timeout: float = 600.0,
-                 stop_timeout: float = 20.0) -> None:
-        self.cmd, self.host, self.port = cmd, host, port
-        self.log_path = log_path
-        self.env = {**os.environ, **(env or {})}
-        self.health_timeout = health_timeout
-        self.stop_timeout = stop_timeout
-        self.proc: subprocess.Popen | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def log_tail(self, n: int = 3000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def cpu_seconds(self) -> float | None:
-        """CPU time (user + system) used so far by the server's process group, all its
-        processes: on a machine shared with other jobs, tokens per server CPU-second is a
-        fairer comparison than tokens per wall-second. Linux only; None elsewhere."""
-        if self.proc is None or not Path("/proc").is_dir():
-            return None
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) == self.proc.pid:  # pgrp: the group started with the server
-                total += int(fields[11]) + int(fields[12])  # utime + stime
-        return total / tick
-
-    def start(self) -> ExternalServer:
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_path, "wb")  # noqa: SIM115
-        out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
-        deadline = time.monotonic() + self.health_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"the server exited with {code} before answering /health; "
-                                   f"command: {shlex.join(self.cmd)}; log tail:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"the server did not answer /health within {self.health_timeout}s; "
-                           f"log tail:\n{self.log_tail()}")
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            pgid = os.getpgid(self.proc.pid)
-        except ProcessLookupError:
-            pgid = None
-        for sig, wait in ((signal.SIGINT, self.stop_timeout), (signal.SIGTERM, 10.0),
-                          (signal.SIGKILL, 10.0)):
-            if self.proc.poll() is not None:
-                break
-            if pgid is not None:
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        if pgid is not None:  # children left behind in the group (engine workers, ...)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while not port_free(self.host, self.port) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self.proc.returncode
-
-    def __enter__(self) -> ExternalServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+# ---- servers on their own ports: hlserve.server.launch ------------------------------------
 
 
 def server_command(template: str, point: Point, model: str, host: str, port: int,

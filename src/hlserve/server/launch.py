@@ -1,9 +1,12 @@
-"""Start ``hlserve serve`` as a child process and wait until it answers (tests, benchmarks)."""
+"""Start a server as a child process and wait until it answers ``/health``: ``hlserve serve``
+itself (:class:`ServerProcess`, for tests and benchmarks) or any OpenAI-compatible server
+command (:class:`ExternalServer`, for ``hlserve sweep`` and the peer benchmarks)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,24 +25,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``with ServerProcess(model, ["--max-model-len", "256"]) as srv: srv.url ...``
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex((host, port)) != 0
 
-    The server's output goes to ``log_path`` (or is discarded); :meth:`stop` sends SIGINT,
-    then SIGKILL if it has not exited within ``stop_timeout`` seconds.
-    """
 
-    def __init__(self, model: str | Path, args: Sequence[str] = (), host: str = "127.0.0.1",
-                 port: int | None = None, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 stop_timeout: float = 15.0) -> None:
-        self.host = host
-        self.port = port or free_port(host)
-        self.cmd = [sys.executable, "-m", "hlserve.cli", "serve", str(model), "--host", host,
-                    "--port", str(self.port), *args]
-        self.log_path = Path(log_path) if log_path else None
+class ExternalServer:
+    """Any server command in its own process group: started, waited for on ``/health``,
+    stopped with SIGINT, SIGTERM, then SIGKILL to the whole group (engine workers and all),
+    and only then reported stopped once its port is free again."""
+
+    def __init__(self, cmd: list[str], host: str, port: int, log_path: Path | None = None,
+                 env: dict[str, str] | None = None, health_timeout: float = 600.0,
+                 stop_timeout: float = 20.0) -> None:
+        self.cmd, self.host, self.port = cmd, host, port
+        self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
-        self.start_timeout = start_timeout
+        self.health_timeout = health_timeout
         self.stop_timeout = stop_timeout
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
@@ -48,51 +50,105 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> ServerProcess:
-        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
+    def log_text(self) -> str:
+        """Everything the server has written so far (empty without a log file)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_text()[-n:]
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) used so far by the server's process group, all its
+        processes: on a machine shared with other jobs, tokens per server CPU-second is a
+        fairer comparison than tokens per wall-second. Linux only; None elsewhere."""
+        if self.proc is None or not Path("/proc").is_dir():
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp: the group started with the server
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / tick
+
+    def start(self) -> ExternalServer:
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "wb")  # noqa: SIM115
         out = self._log if self._log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     env=self.env)
-        deadline = time.monotonic() + self.start_timeout
+                                     env=self.env, start_new_session=True)
+        deadline = time.monotonic() + self.health_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"hlserve serve exited with {self.proc.returncode} before "
-                                   f"answering; log: {self.log_text()[-4000:]}")
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"the server exited with {code} before answering /health; "
+                                   f"command: {shlex.join(self.cmd)}; log tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.2)
+            time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"hlserve serve did not answer within {self.start_timeout}s; log: "
-                           f"{self.log_text()[-4000:]}")
-
-    def log_text(self) -> str:
-        if self._log is not None:
-            self._log.flush()
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")
+        raise TimeoutError(f"the server did not answer /health within {self.health_timeout}s; "
+                           f"log tail:\n{self.log_tail()}")
 
     def stop(self) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        for sig, wait in ((signal.SIGINT, self.stop_timeout), (signal.SIGTERM, 10.0),
+                          (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
             try:
-                self.proc.wait(self.stop_timeout)
+                self.proc.wait(wait)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                continue
+        if pgid is not None:  # children left behind in the group (engine workers, ...)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while not port_free(self.host, self.port) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if self._log is not None:
-            with contextlib.suppress(OSError):
-                self._log.close()
+            self._log.close()
+            self._log = None
         return self.proc.returncode
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> ExternalServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess(ExternalServer):
+    """``with ServerProcess(model, ["--max-model-len", "256"]) as srv: srv.url ...``: an
+    ``hlserve serve`` of ``model`` on a free port, its output in ``log_path`` (or discarded)."""
+
+    def __init__(self, model: str | Path, args: Sequence[str] = (), host: str = "127.0.0.1",
+                 port: int | None = None, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 120.0,
+                 stop_timeout: float = 15.0) -> None:
+        port = port or free_port(host)
+        cmd = [sys.executable, "-m", "hlserve.cli", "serve", str(model), "--host", host,
+               "--port", str(port), *args]
+        super().__init__(cmd, host, port, Path(log_path) if log_path else None, env,
+                         health_timeout=start_timeout, stop_timeout=stop_timeout)
