@@ -96,7 +96,7 @@ def run_agent_sessions(engine: Engine, workload: AgentWorkload, progress: bool =
                 if req.finished and req.request_id in inflight:
                     out = RequestOutput.of(req)
                     i, rnd = inflight.pop(out.request_id)
-                    records.append(_record(out, i, rnd))
+                    records.append(record_of(out, i, rnd))
                     bar.update(1)
                     sessions[i].complete(out.token_ids)
                     if sessions[i].done:
@@ -106,7 +106,8 @@ def run_agent_sessions(engine: Engine, workload: AgentWorkload, progress: bool =
     return RunResult(records=records, duration=engine.clock() - start, session_times=session_times)
 
 
-def _record(out: RequestOutput, session: int, rnd: int) -> RequestRecord:
+def record_of(out: RequestOutput, session: int, rnd: int) -> RequestRecord:
+    """A finished request's timeline as a bench record (engine clock seconds)."""
     m = out.metrics
     arrival = m["arrival_time"] or 0.0
     return RequestRecord(

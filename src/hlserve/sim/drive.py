@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from hlserve.bench.driver import RequestRecord, RunResult
+from hlserve.bench.driver import RequestRecord, RunResult, record_of
 from hlserve.bench.workloads import AgentWorkload, Arrival, MooncakeTrace
 from hlserve.engine.engine import Engine
 from hlserve.request import RequestOutput, SamplingParams
@@ -28,17 +28,6 @@ R = TypeVar("R")
 
 def _params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _record(out: RequestOutput, session: int, rnd: int) -> RequestRecord:
-    m = out.metrics
-    arrival = m["arrival_time"] or 0.0
-    return RequestRecord(
-        session_id=session, round=rnd, prompt_tokens=len(out.prompt_token_ids),
-        output_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
-        arrival=arrival, first_token=m["first_token_time"] or arrival,
-        finish=m["finish_time"] or arrival,
-    )
 
 
 def _fewer_gc_passes(driver: Callable[..., R]) -> Callable[..., R]:
@@ -182,7 +171,7 @@ def run_agent_steady(engine: Engine, workload: AgentWorkload, duration: float,
             sess, idx, rnd = inflight.pop(out.request_id)
             if out.error is not None or out.finish_reason == "abort":
                 errors += 1
-            rec = _record(out, idx, rnd)
+            rec = record_of(out, idx, rnd)
             if rec.arrival >= t0 and rec.finish <= t1:
                 records.append(rec)
             win_prompt, win_out = _window_tokens(rec, t0, t1)
@@ -252,7 +241,7 @@ def run_open_loop(engine: Engine, arrivals: Iterable[Arrival], progress: bool = 
             if req.finished and req.request_id in inflight:
                 out = RequestOutput.of(req)
                 a = inflight.pop(out.request_id)
-                records.append(_record(out, a.key, 0))
+                records.append(record_of(out, a.key, 0))
                 bar.update(1)
                 if on_finish is not None:
                     on_finish(a, out)
@@ -323,7 +312,7 @@ def run_trace_closed(engine: Engine, trace: MooncakeTrace, concurrency: int | No
             out = RequestOutput.of(req)
             k = inflight.pop(out.request_id)
             root = chain_of[k]
-            records.append(_record(out, root, k))
+            records.append(record_of(out, root, k))
             bar.update(1)
             kids = children.get(k, [])
             open_children[root] += len(kids) - 1
