@@ -203,23 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_args(p)
     p.set_defaults(func=cmd_sweep)
 
-    from hlserve.sim.cli import (
-        add_calibrate_args,
-        add_cost_args,
-        add_study_args,
-        cmd_calibrate,
-        cmd_cost,
-        cmd_study,
-    )
+    from hlserve.sim.cli import add_subcommands
 
-    for name, add, cmd, text in (
-        ("cost", add_cost_args, cmd_cost, "predicted time of one batch or prefill on a GPU"),
-        ("calibrate", add_calibrate_args, cmd_calibrate, "fit the cost model to this machine"),
-        ("study", add_study_args, cmd_study, "the simulated human-tax study (docs/study.md)"),
-    ):
-        p = sub.add_parser(name, help=text)
-        add(p)
-        p.set_defaults(func=cmd)
+    add_subcommands(sub)
     return parser
 
 

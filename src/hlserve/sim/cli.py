@@ -202,18 +202,21 @@ def cmd_study(args: argparse.Namespace) -> None:
 # ---- standalone ----------------------------------------------------------------------------------
 
 
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """``cost``, ``calibrate`` and ``study``, for ``hlserve`` and for this module alone."""
+    for name, add, cmd, text in (
+        ("cost", add_cost_args, cmd_cost, "predicted time of one batch or prefill on a GPU"),
+        ("calibrate", add_calibrate_args, cmd_calibrate, "fit the cost model to this machine"),
+        ("study", add_study_args, cmd_study, "the simulated human-tax study (docs/study.md)"),
+    ):
+        p = sub.add_parser(name, help=text)
+        add(p)
+        p.set_defaults(func=cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hlserve.sim.cli", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("cost", help="the cost model as a calculator for one batch or prefill")
-    add_cost_args(p)
-    p.set_defaults(func=cmd_cost)
-    p = sub.add_parser("calibrate", help="measure this machine into a hardware profile")
-    add_calibrate_args(p)
-    p.set_defaults(func=cmd_calibrate)
-    p = sub.add_parser("study", help="the human-tax sweep on a simulated machine")
-    add_study_args(p)
-    p.set_defaults(func=cmd_study)
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
