@@ -59,6 +59,9 @@ def test_small_study_resumes_and_reports(tmp_path) -> None:
     spec2 = StudySpec(**{**spec.__dict__, "duration": 20.0})
     run_study(spec2, tmp_path, jobs=1, progress=False)
     assert json.loads(files[0].read_text())["spec"]["duration"] == 20.0
+    # the folder records both runs' specs (a run never hides what an earlier one wrote)
+    runs = json.loads((tmp_path / "spec.json").read_text())["runs"]
+    assert [r["duration"] for r in runs] == [30.0, 20.0]
     paths = report(tmp_path)
     names = {p.name for p in paths}
     assert {"frontier_8k.png", "tax.png", "summary.json", "table.md"} <= names

@@ -17,6 +17,7 @@ Human tax at an SLO target (TTFT p99 <= x, TPOT p99 <= y), per context and concu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -182,11 +183,25 @@ def _done(path: Path, spec: StudySpec) -> bool:
         return False
 
 
+def _record_run(path: Path, spec: StudySpec) -> None:
+    """Add this run's spec to the folder's list of runs: a folder extended with other contexts,
+    concurrencies or systems records every spec that wrote points into it."""
+    runs: list[dict[str, Any]] = []
+    if path.exists():
+        with contextlib.suppress(json.JSONDecodeError, OSError):
+            old = json.loads(path.read_text())
+            runs = old.get("runs", [old]) if isinstance(old, dict) else []
+    this = json.loads(json.dumps(dataclasses.asdict(spec)))
+    if this not in runs:
+        runs.append(this)
+    path.write_text(json.dumps({"runs": runs}, indent=1))
+
+
 def run_study(spec: StudySpec, out: Path, jobs: int | None = None, progress: bool = True) -> list[Path]:
     """Run every point not already in ``out/points`` (same spec); returns all point files."""
     pdir = Path(out) / "points"
     pdir.mkdir(parents=True, exist_ok=True)
-    (Path(out) / "spec.json").write_text(json.dumps(dataclasses.asdict(spec), indent=1))
+    _record_run(Path(out) / "spec.json", spec)
     points = spec.points()
     todo = [p for p in points if not _done(pdir / f"{p.key}.json", spec)]
     # longest first: the contexts and concurrencies that take longest start early
