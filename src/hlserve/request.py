@@ -151,6 +151,10 @@ class Request:
     num_computed: int = 0
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at first admission
     num_retractions: int = 0
+    # prompt tokens looked up in / served by the prefix cache, over every admission (a
+    # re-admission after retraction looks up again): vLLM's prefix_cache_queries / _hits
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     # timeline, in the engine clock's seconds

@@ -252,6 +252,8 @@ class Scheduler:
             if verdict == Admit.WAIT or chunk_pages > headroom:
                 break
             cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=nodes)
+            req.num_prefix_queries += len(tokens)
+            req.num_prefix_hits += cached
             ok = self.kv.allocate(req.request_id, cached + n)
             assert ok, "admission checked the pool"
             if req.num_retractions == 0:

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,8 @@ class _Live:
     metrics: Any  # metrics._ClassMetrics
     n_tokens: int = 0
     n_retractions: int = 0
+    n_prefix_queries: int = 0
+    n_prefix_hits: int = 0
     queue_time_seen: bool = False
 
 
@@ -92,7 +94,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._failed_steps = 0
         self._last_retractions = 0
-        self._install_prefix_hook()
+        self._last_prefix_queries = 0
 
     # ---- lifecycle (event-loop side) -------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -180,6 +182,7 @@ class EngineBridge:
                     if eng.stats.steps > steps_before:  # a batch ran: the failure streak ends
                         self._failed_steps = 0
                     self._count_retractions()
+                    self._count_prefix_lookups()
                     self._on_outputs(outputs, items)
                     if not outputs and eng.stats.steps == steps_before:
                         # nothing could be scheduled (should not happen): do not spin
@@ -281,6 +284,20 @@ class EngineBridge:
                 live.metrics.preemptions.inc(r - live.n_retractions)
                 live.n_retractions = r
 
+    def _count_prefix_lookups(self) -> None:
+        """Per-class prefix-cache queries and hits: the engine counts them on each request at
+        admission; the requests are scanned only in a step that admitted something."""
+        total = self.engine.kv.prefix_queries
+        if total == self._last_prefix_queries:
+            return
+        self._last_prefix_queries = total
+        for live in self._live.values():
+            q, h = live.req.num_prefix_queries, live.req.num_prefix_hits
+            if q > live.n_prefix_queries:
+                live.metrics.prefix_queries.inc(q - live.n_prefix_queries)
+                live.metrics.prefix_hits.inc(h - live.n_prefix_hits)
+                live.n_prefix_queries, live.n_prefix_hits = q, h
+
     def _step_failed(self, exc: Exception, items: list) -> None:
         """Fail the requests the broken step was running; keep the rest if the engine's
         accounting still holds."""
@@ -315,27 +332,6 @@ class EngineBridge:
             self.metrics.c[cls].waiting.set(waiting)
         self.metrics.kv_usage.labels(self.metrics.model_name).set(self.engine.kv.usage)
         self._waiting = len(sched.waiting)
-
-    def _install_prefix_hook(self) -> None:
-        """Count prefix-cache queries and hits per request class.
-
-        The KV manager counts them for the whole pool; the class is only known here, so the
-        manager's ``admit`` is wrapped (on this engine's instance only) to attribute each
-        admission's share to its request's class.
-        """
-        kv = self.engine.kv
-        admit: Callable[..., int] = kv.admit
-
-        def counted_admit(req_id: str, *args: Any, **kwargs: Any) -> int:
-            q0, h0 = kv.prefix_queries, kv.prefix_hits
-            result = admit(req_id, *args, **kwargs)
-            live = self._live.get(req_id)
-            if live is not None:
-                live.metrics.prefix_queries.inc(kv.prefix_queries - q0)
-                live.metrics.prefix_hits.inc(kv.prefix_hits - h0)
-            return result
-
-        kv.admit = counted_admit  # type: ignore[method-assign]
 
     def _deliver(self, items: list[tuple[asyncio.Queue, Event]]) -> None:
         if not items or self._loop is None:
