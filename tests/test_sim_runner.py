@@ -141,3 +141,26 @@ def test_steady_state_progress_bar_survives_overshooting_the_window() -> None:
     res = run_agent_steady(engine, wl, duration=1.0, progress=True)
     assert engine.clock() > 1.5  # one greedy 60K prefill: far past the window
     assert res.duration == pytest.approx(1.0)
+
+
+def test_simulated_runs_restore_the_gc_thresholds() -> None:
+    """The drivers relax the collector only while they simulate, and put it back even when
+    the run raises."""
+    import gc
+
+    before = gc.get_threshold()
+    engine = build_sim_engine("Qwen2.5-32B", "H20", 8, mode="throughput")
+    seen: list[tuple[int, ...]] = []
+    real_step = engine.step_requests
+
+    def step():
+        seen.append(gc.get_threshold())
+        if len(seen) == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step_requests = step  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="boom"):
+        run_agent_steady(engine, AgentWorkload(**SMALL), duration=60.0)
+    assert seen and all(t[0] > before[0] for t in seen)
+    assert gc.get_threshold() == before
