@@ -11,6 +11,7 @@ from hlserve.sim.cli import main as sim_main
 from hlserve.sim.study import (
     Point,
     StudySpec,
+    _done,
     human_tax,
     pareto,
     report,
@@ -59,6 +60,13 @@ def test_small_study_resumes_and_reports(tmp_path) -> None:
     spec2 = StudySpec(**{**spec.__dict__, "duration": 20.0})
     run_study(spec2, tmp_path, jobs=1, progress=False)
     assert json.loads(files[0].read_text())["spec"]["duration"] == 20.0
+    # a point stored before output_mean was part of the fingerprint counts at its default,
+    # and another output length is another point
+    rec = json.loads(files[0].read_text())
+    del rec["spec"]["output_mean"]
+    files[0].write_text(json.dumps(rec))
+    assert _done(files[0], spec2)
+    assert not _done(files[0], StudySpec(**{**spec2.__dict__, "output_mean": 1000.0}))
     # the folder records both runs' specs (a run never hides what an earlier one wrote)
     runs = json.loads((tmp_path / "spec.json").read_text())["runs"]
     assert [r["duration"] for r in runs] == [30.0, 20.0]

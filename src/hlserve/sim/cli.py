@@ -175,6 +175,8 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=600.0,
                    help="simulated seconds before measuring (sessions ramp up over half of it)")
     p.add_argument("--rounds", type=int, default=8, help="rounds per agent session")
+    p.add_argument("--output-mean", type=float, default=200.0,
+                   help="mean output tokens per round (lognormal)")
     p.add_argument("--out", default="study", help="output folder (per-point JSON, plots, table)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
     p.add_argument("--wall-limit", type=float, default=900.0, help="wall seconds per point at most")
@@ -189,7 +191,8 @@ def cmd_study(args: argparse.Namespace) -> None:
         hardware=args.hardware, tp=args.tp, model=args.model, contexts=tuple(ints(args.contexts)),
         sessions=tuple(ints(args.sessions)), systems=tuple(s for s in args.systems.split(",") if s),
         chunks=tuple(ints(args.chunks)) if args.chunks else None, duration=args.duration,
-        warmup=args.warmup, rounds=args.rounds, wall_limit=args.wall_limit,
+        warmup=args.warmup, rounds=args.rounds, output_mean=args.output_mean,
+        wall_limit=args.wall_limit,
     )
     out = Path(args.out)
     if not args.report_only:

@@ -81,6 +81,7 @@ class StudySpec:
     duration: float = 1200.0
     warmup: float = 600.0
     rounds: int = 8
+    output_mean: float = 200.0  # mean output tokens per round (Mooncake's tool&agent: 182)
     wall_limit: float = 900.0
     seed: int = 0
     version: int = 3  # bump when a change invalidates stored points
@@ -88,7 +89,7 @@ class StudySpec:
     def fingerprint(self) -> dict[str, Any]:
         """What a stored point must agree on to be reused."""
         return {k: getattr(self, k) for k in ("hardware", "tp", "model", "duration", "warmup",
-                                               "rounds", "seed", "version")}
+                                               "rounds", "output_mean", "seed", "version")}
 
     def points(self) -> list[Point]:
         out = []
@@ -131,7 +132,8 @@ def run_point(spec: StudySpec, point: Point) -> dict[str, Any]:
     engine = build_sim_engine(spec.model, spec.hardware, spec.tp, max_model_len=max_len, **opts)
     vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
     workload = AgentWorkload.for_context(point.context, point.sessions, rounds=spec.rounds,
-                                         vocab=(3, vocab_hi), seed=spec.seed)
+                                         output_mean=spec.output_mean, vocab=(3, vocab_hi),
+                                         seed=spec.seed)
     t = time.perf_counter()
     res = run_agent_steady(engine, workload, duration=spec.duration, warmup=spec.warmup,
                            wall_limit=spec.wall_limit, ramp=spec.warmup / 2)
@@ -174,13 +176,21 @@ def _worker(args: tuple[dict[str, Any], dict[str, Any], str]) -> str:
     return path
 
 
+# fingerprint fields added after points were stored: a stored point without one was made at
+# its default
+_LATER_FIELDS = {"output_mean": 200.0}
+
+
 def _done(path: Path, spec: StudySpec) -> bool:
     if not path.exists():
         return False
     try:
-        return json.loads(path.read_text()).get("spec") == json.loads(json.dumps(spec.fingerprint()))
+        stored = json.loads(path.read_text()).get("spec")
     except (json.JSONDecodeError, OSError):
         return False
+    if not isinstance(stored, dict):
+        return False
+    return {**_LATER_FIELDS, **stored} == json.loads(json.dumps(spec.fingerprint()))
 
 
 def _record_run(path: Path, spec: StudySpec) -> None:
