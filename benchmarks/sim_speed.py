@@ -4,8 +4,8 @@ simulated 8xH20 (TP 8) serving Qwen2.5-32B, with the real Scheduler and KV cache
     python benchmarks/sim_speed.py                      # 1 simulated hour, 64 sessions, 32K
     python benchmarks/sim_speed.py --hours 0.1 --profile   # where the wall time goes
 
-Prints one line per preset: simulated seconds, wall seconds, their ratio, iterations and
-microseconds of wall time per iteration.
+Prints one line for the chosen mode or preset (``--mode``): simulated seconds, wall seconds,
+their ratio, iterations and microseconds of wall time per iteration.
 """
 
 from __future__ import annotations
