@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args.func(args)
-    except (HLServeError, ValueError, TypeError) as e:
+    except (HLServeError, ValueError, TypeError, FileNotFoundError) as e:
         print(f"hlserve: error: {e}", file=sys.stderr)
         return 2
     return 0

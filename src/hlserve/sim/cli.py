@@ -217,20 +217,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=cmd)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hlserve.sim.cli", description=__doc__)
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"hlserve: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """``python -m hlserve.sim.cli cost ...`` is ``hlserve cost ...``: one parser, one error
+    handling."""
+    from hlserve.cli import main as hlserve_main
+
+    return hlserve_main(argv)
 
 
 if __name__ == "__main__":
