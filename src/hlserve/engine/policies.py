@@ -71,13 +71,19 @@ class LongestPrefixMatch(OrderPolicy):
         self._state: dict[str, _Match] = {}
         self.lookups = 0  # tree lookups made, the cost that matters at thousands waiting
 
-    def cached_tokens(self, req: Request, step: int) -> int:
-        ps = self.kv.page_size
+    def _state_for(self, req: Request, step: int) -> _Match:
+        """The request's match state; a new one (from the root) when it first waits or has
+        grown since (a retraction), keeping when it began to wait."""
         st = self._state.get(req.request_id)
         if st is None or st.num_tokens != req.num_tokens:
             since = st.since if st is not None else step
             st = _Match(req.num_tokens, self.kv.root, 0, since)
             self._state[req.request_id] = st
+        return st
+
+    def cached_tokens(self, req: Request, step: int) -> int:
+        ps = self.kv.page_size
+        st = self._state_for(req, step)
         node, depth = st.node, st.depth
         while node.evicted:
             node, depth = node.parent, depth - 1  # type: ignore[assignment]
@@ -96,10 +102,8 @@ class LongestPrefixMatch(OrderPolicy):
     def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
         if self.fcfs_fallback is not None and len(waiting) > self.fcfs_fallback:
             return FCFS().order(waiting, step)
-        if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk
-            r = waiting[0]
-            if r.request_id not in self._state:  # but its wait counts from now, for aging
-                self._state[r.request_id] = _Match(r.num_tokens, self.kv.root, 0, step)
+        if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk,
+            self._state_for(waiting[0], step)  # but its wait counts from now, for aging
             return iter(waiting)
         heap = []
         for i, r in enumerate(waiting):

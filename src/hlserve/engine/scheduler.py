@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator
 
 from hlserve.config import EngineConfig
-from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.kv_cache import KVCacheManager, Node
 from hlserve.engine.policies import (
     Admit,
     AdmitQuery,
@@ -85,12 +85,18 @@ class Scheduler:
         if self.kv.holds(req.request_id):
             self._release(req)
 
+    def _commit(self, req: Request) -> None:
+        """Put the request's newly full, computed pages into the prefix tree, handing the KV
+        manager only the tokens after those already there (not a copy of the context)."""
+        start = self.kv.committed_tokens(req.request_id)
+        self.kv.commit(req.request_id, req.tokens(start, req.num_computed), req.num_computed,
+                       offset=start)
+
     def _release(self, req: Request) -> None:
-        """Release a request's pages, caching its computed full pages (only the tokens not yet
-        in the tree are copied)."""
-        start = self.kv.committed_tokens(req.request_id) if self.kv.enable_prefix_caching else 0
-        self.kv.release(req.request_id, req.tokens(start, req.num_computed), req.num_computed,
-                        offset=start)
+        """Release a request's pages; its computed full pages stay cached."""
+        if self.kv.enable_prefix_caching:
+            self._commit(req)
+        self.kv.release(req.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,13 +216,13 @@ class Scheduler:
         cfg = self.config
         if self._retracted or not self.waiting:
             return
-        decoding = any(not r.in_prefill for r in self.running)
-        if cfg.prefill_delay and decoding and self.step - self._last_admit_step < cfg.prefill_delay:
+        if cfg.prefill_delay and self.step - self._last_admit_step < cfg.prefill_delay \
+                and any(not r.in_prefill for r in self.running):
             return  # the delayer holds new prefill to protect running decodes
         ps = self.kv.page_size
         mid_chunk = sum(1 for r in self.running if r.in_prefill)
         span = SHARED_SPAN_PAGES * ps
-        computing: set[tuple[int, tuple[int, ...]]] = set()  # uncached runs being prefilled now
+        computing: set[tuple[Node, tuple[int, ...]]] = set()  # uncached runs being prefilled now
         for req in list(self._waiting_order()):
             if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
                 break
@@ -230,7 +236,7 @@ class Scheduler:
                 # in-batch prefix sharing: a request whose next uncached tokens another
                 # request is prefilling in this very iteration waits one iteration and then
                 # finds them cached, instead of computing them a second time
-                run = (id(nodes[-1]) if nodes else 0, tuple(tokens[cached : cached + span]))
+                run = (nodes[-1] if nodes else self.kv.root, tuple(tokens[cached : cached + span]))
                 if run in computing:
                     continue
                 computing.add(run)
@@ -292,9 +298,7 @@ class Scheduler:
             before = req.num_computed
             req.num_computed = seq.end
             if self.kv.enable_prefix_caching and seq.end // ps > before // ps:
-                start = self.kv.committed_tokens(req.request_id)
-                self.kv.commit(req.request_id, req.tokens(start, req.num_computed),
-                               req.num_computed, offset=start)
+                self._commit(req)
         if batch.num_decodes:
             step = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / NEW_TOKEN_RATIO_STEPS
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - step)

@@ -68,18 +68,22 @@ class TorchRunner(Runner):
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
         segments: list[Segment] = []
+        # every sequence's slots (context and new tokens) go to the device in one copy
+        all_slots = torch.cat([self._slots(seq.page_table, 0, seq.end) for seq in batch.seqs])
+        all_slots = all_slots.to(self.device)
+        off = 0
         for seq in batch.seqs:
             t0 = len(ids)
             ids.extend(seq.request.tokens(seq.start, seq.end))
             positions.append(torch.arange(seq.start, seq.end))
-            slots = self._slots(seq.page_table, 0, seq.end)
+            slots = all_slots[off : off + seq.end]
+            off += seq.end
             slot_mapping.append(slots[seq.start :])
             # a sequence with context reads it back through its slots; a fresh prompt attends
             # to its own new K/V and needs none
-            ctx = slots.to(self.device) if seq.start > 0 else None
+            ctx = slots if seq.start > 0 else None
             segments.append(Segment(t0, len(ids), seq.start, ctx))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping).to(self.device),
-                                 segments=segments)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), segments=segments)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, torch.cat(positions).to(self.device), meta
 
@@ -167,21 +171,23 @@ def _token_logprobs(raw: torch.Tensor, reqs: list[Request], sampled: list[int]
     k = max(r.params.logprobs or 0 for r in reqs)
     top_v, top_i = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long())
     chosen = raw.gather(1, torch.tensor(sampled, device=raw.device).unsqueeze(1)).squeeze(1)
+    # one device-to-host copy each, then plain lists
+    chosen_l, ids_l, vals_l = chosen.tolist(), top_i.tolist(), top_v.tolist()
     out = {}
     for j, r in enumerate(reqs):
         n = r.params.logprobs or 0
-        top = tuple(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist(), strict=True))
-        out[r.request_id] = TokenLogprobs(float(chosen[j]), top)
+        top = tuple(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
+        out[r.request_id] = TokenLogprobs(chosen_l[j], top)
     return out
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     """Drop tokens less likely than ``min_p`` times the most likely one (row by row); the
     most likely token always survives."""
-    probs = torch.softmax(logits, dim=-1)
-    floor = torch.tensor(min_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
-    floor = floor * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < floor, -float("inf"))
+    # p < min_p * p_max  <=>  logit < logit_max + log(min_p): no softmax needed
+    log_min_p = torch.tensor(min_p, device=logits.device, dtype=logits.dtype).log().unsqueeze(1)
+    floor = logits.amax(dim=-1, keepdim=True) + log_min_p
+    return logits.masked_fill(logits < floor, -float("inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -458,7 +458,6 @@ class _Chunks:
         self.rid, self.model, self.return_ids = rid, model, return_ids
         self.tokenizer = tokenizer
         self.created = now_s()
-        self._text_offset: dict[int, int] = {}  # completions: where the next token's text starts
 
     def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": self.object, "created": self.created,
@@ -494,6 +493,11 @@ class _Chunks:
 class _CompletionChunks(_Chunks):
     object = "text_completion"
 
+    def __init__(self, rid: str, model: str, return_ids: bool,
+                 tokenizer: Tokenizer | None = None) -> None:
+        super().__init__(rid, model, return_ids, tokenizer)
+        self._text_offset: dict[int, int] = {}  # where each choice's next token text starts
+
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
         return {"index": index, "text": text, **self.finish_fields(index, out, new_ids, first)}
@@ -501,9 +505,10 @@ class _CompletionChunks(_Chunks):
     def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
         if out.logprobs is None:
             return None
-        lp = completion_logprobs(self.tokenizer, new_ids, self._new_entries(out, new_ids),
-                                 self._text_offset.get(index, 0))
-        self._text_offset[index] = self._text_offset.get(index, 0) + sum(map(len, lp["tokens"]))
+        start = self._text_offset.get(index, 0)
+        lp = completion_logprobs(self.tokenizer, new_ids, self._new_entries(out, new_ids), start)
+        if lp["tokens"]:
+            self._text_offset[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return lp
 
 

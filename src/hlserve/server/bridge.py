@@ -93,8 +93,7 @@ class EngineBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failed_steps = 0
-        self._last_retractions = 0
-        self._last_prefix_queries = 0
+        self._last_totals = (0, 0)  # retractions, prefix-cache queries: engine totals seen
 
     # ---- lifecycle (event-loop side) -------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -181,8 +180,7 @@ class EngineBridge:
                             eng.stats.failed_steps - failed_before)
                     if eng.stats.steps > steps_before:  # a batch ran: the failure streak ends
                         self._failed_steps = 0
-                    self._count_retractions()
-                    self._count_prefix_lookups()
+                    self._count_request_counters()
                     self._on_outputs(outputs, items)
                     if not outputs and eng.stats.steps == steps_before:
                         # nothing could be scheduled (should not happen): do not spin
@@ -273,30 +271,22 @@ class EngineBridge:
             reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "error"
             cm.success[reason].inc()
 
-    def _count_retractions(self) -> None:
-        total = self.engine.scheduler.num_retractions
-        if total == self._last_retractions:
+    def _count_request_counters(self) -> None:
+        """Per-class preemptions and prefix-cache queries/hits. The engine counts them on each
+        request; the live requests are scanned only in a step that changed a total."""
+        totals = (self.engine.scheduler.num_retractions, self.engine.kv.prefix_queries)
+        if totals == self._last_totals:
             return
-        self._last_retractions = total
+        self._last_totals = totals
         for live in self._live.values():
-            r = live.req.num_retractions
-            if r > live.n_retractions:
-                live.metrics.preemptions.inc(r - live.n_retractions)
-                live.n_retractions = r
-
-    def _count_prefix_lookups(self) -> None:
-        """Per-class prefix-cache queries and hits: the engine counts them on each request at
-        admission; the requests are scanned only in a step that admitted something."""
-        total = self.engine.kv.prefix_queries
-        if total == self._last_prefix_queries:
-            return
-        self._last_prefix_queries = total
-        for live in self._live.values():
-            q, h = live.req.num_prefix_queries, live.req.num_prefix_hits
-            if q > live.n_prefix_queries:
-                live.metrics.prefix_queries.inc(q - live.n_prefix_queries)
-                live.metrics.prefix_hits.inc(h - live.n_prefix_hits)
-                live.n_prefix_queries, live.n_prefix_hits = q, h
+            req = live.req
+            if req.num_retractions > live.n_retractions:
+                live.metrics.preemptions.inc(req.num_retractions - live.n_retractions)
+                live.n_retractions = req.num_retractions
+            if req.num_prefix_queries > live.n_prefix_queries:
+                live.metrics.prefix_queries.inc(req.num_prefix_queries - live.n_prefix_queries)
+                live.metrics.prefix_hits.inc(req.num_prefix_hits - live.n_prefix_hits)
+                live.n_prefix_queries, live.n_prefix_hits = req.num_prefix_queries, req.num_prefix_hits
 
     def _step_failed(self, exc: Exception, items: list) -> None:
         """Fail the requests the broken step was running; keep the rest if the engine's

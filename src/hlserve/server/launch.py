@@ -108,8 +108,7 @@ class ExternalServer:
             pgid = os.getpgid(self.proc.pid)
         except ProcessLookupError:
             pgid = None
-        for sig, wait in ((signal.SIGINT, self.stop_timeout), (signal.SIGTERM, 10.0),
-                          (signal.SIGKILL, 10.0)):
+        for sig, wait in ((signal.SIGINT, self.stop_timeout), (signal.SIGTERM, 10.0)):
             if self.proc.poll() is not None:
                 break
             if pgid is not None:
@@ -121,9 +120,14 @@ class ExternalServer:
                 self.proc.wait(wait)
             except subprocess.TimeoutExpired:
                 continue
-        if pgid is not None:  # children left behind in the group (engine workers, ...)
+        # then the whole group: the server if it is still up, and children left behind
+        # (engine workers, ...)
+        if pgid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10.0)
         deadline = time.monotonic() + 15
         while not port_free(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.2)
