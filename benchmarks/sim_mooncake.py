@@ -20,7 +20,7 @@ import argparse
 import time
 from pathlib import Path
 
-from hlserve.bench.workloads import MooncakeTrace, trace_arrivals
+from hlserve.bench.workloads import BLOCK, MooncakeTrace, trace_arrivals
 from hlserve.sim.build import build_sim_engine
 from hlserve.sim.drive import run_open_loop
 
@@ -37,9 +37,9 @@ def trace_hit_ratio(trace: MooncakeTrace) -> float:
     for r in trace.requests:
         total += r.input_length
         for k, h in enumerate(r.hash_ids):
-            full = (k + 1) * 512 <= r.input_length
+            full = (k + 1) * BLOCK <= r.input_length
             if h in seen and full:
-                hit += 512
+                hit += BLOCK
             seen.add(h)
     return hit / max(1, total)
 
@@ -54,9 +54,8 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen2.5-32B")
     args = ap.parse_args()
     trace = MooncakeTrace.load(args.trace, duration=args.minutes * 60, vocab=(3, 150000))
-    n_in = sum(r.input_length for r in trace.requests)
     print(f"{Path(args.trace).name}: {len(trace)} requests in {args.minutes:g} min, "
-          f"{n_in / len(trace):.0f} input tokens on average; the trace's own prefix sharing: "
+          f"{trace.stats()['mean_input']:.0f} input tokens on average; the trace's own prefix sharing: "
           f"{100 * trace_hit_ratio(trace):.0f}% of prompt tokens")
     print(f"{'system':12s} {'wall s':>7s} {'tok/s':>8s} {'TTFT p50/p99 s':>16s} "
           f"{'TPOT p50/p99 ms':>16s} {'cache hit':>9s} {'retractions':>11s}")

@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hlserve.bench.workloads import AgentWorkload
-from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_agent_steady
 from hlserve.sim.hardware import get_hardware
-from hlserve.sim.study import StudySpec, system_options
+from hlserve.sim.study import Point, StudySpec, run_point
 
 SYSTEMS = (("hlserve", None), ("sglang", 8192), ("sarathi", 512))
 
@@ -37,13 +34,9 @@ def main() -> None:
     thr: dict[tuple[str, str], float] = {}
     for system, knob in SYSTEMS:
         for hw in (base, alt):
-            engine = build_sim_engine(spec.model, hw, spec.tp, max_model_len=args.context + 4096,
-                                      **system_options(system, knob))
-            wl = AgentWorkload.for_context(args.context, args.sessions, rounds=spec.rounds,
-                                           vocab=(3, 150000), seed=spec.seed)
-            res = run_agent_steady(engine, wl, duration=spec.duration, warmup=spec.warmup,
-                                   ramp=spec.warmup / 2, progress=True)
-            thr[(system, hw.name)] = res.extra["window_token_throughput"]
+            rec = run_point(dataclasses.replace(spec, hardware=hw),
+                            Point(system, knob, args.context, args.sessions))
+            thr[(system, hw.name)] = rec["metrics"]["window_token_throughput"]
         a, b = thr[(system, base.name)], thr[(system, alt.name)]
         print(f"  {system:8s} {knob or '':>5}: {a:8.0f} -> {b:8.0f} tok/s ({100 * (b / a - 1):+.1f}%)")
     for hw in (base, alt):

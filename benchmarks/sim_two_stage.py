@@ -1,7 +1,7 @@
 """Two-stage mixing's hysteresis at 64K context on the simulated 8xH20 (docs/study.md,
 section 3): throughput mode with its default thresholds (decode-only above 90% KV use until
-use falls below 70%), with narrower ones, and with mixing always. Same workload and window
-as the study's points.
+use falls below 70%), with narrower ones, and with mixing always. Each variant is a study
+point (``hlserve.sim.study.run_point``) with the engine options changed.
 
     python benchmarks/sim_two_stage.py                  # 128 sessions: overload
     python benchmarks/sim_two_stage.py --sessions 64
@@ -10,13 +10,9 @@ as the study's points.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
-from hlserve.bench.workloads import AgentWorkload
-from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_agent_steady
-from hlserve.sim.study import StudySpec
+from hlserve.sim.study import Point, StudySpec, run_point
 
 VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("two-stage 0.90 / 0.70 (default)", {}),
@@ -35,19 +31,12 @@ def main() -> None:
     print(f"{spec.tp}x{spec.hardware} {spec.model}, {args.context} context, {args.sessions} sessions, "
           f"throughput mode")
     for label, opts in VARIANTS:
-        engine = build_sim_engine(spec.model, spec.hardware, spec.tp,
-                                  max_model_len=args.context + 4096, mode="throughput", **opts)
-        wl = AgentWorkload.for_context(args.context, args.sessions, rounds=spec.rounds,
-                                       vocab=(3, 150000), seed=spec.seed)
-        t = time.perf_counter()
-        res = run_agent_steady(engine, wl, duration=spec.duration, warmup=spec.warmup,
-                               ramp=spec.warmup / 2)
-        s = res.summary()
-        switches = getattr(engine.scheduler.mixing, "switches", None)
-        print(f"  {label:32s} {res.extra['window_token_throughput']:8.0f} tok/s   TTFT p50 "
-              f"{s['median_ttft_ms'] / 1e3:6.1f} s   TPOT p99 {s['p99_tpot_ms']:5.0f} ms   "
-              f"stage switches {'-' if switches is None else switches}   "
-              f"({time.perf_counter() - t:.0f} s wall)", flush=True)
+        m = run_point(spec, Point("hlserve", None, args.context, args.sessions), opts)["metrics"]
+        switches = m["stage_switches"]
+        print(f"  {label:32s} {m['window_token_throughput']:8.0f} tok/s   TTFT p50 "
+              f"{m['median_ttft_ms'] / 1e3:6.1f} s   TPOT p99 {m['p99_tpot_ms']:5.0f} ms   "
+              f"stage switches {'-' if switches is None else switches}   ({m['wall_s']:.0f} s wall)",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ FORMULAS = {
     "percentiles": "linear interpolation (numpy default), as vLLM",
 }
 
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "std", "p90", "p99")
 
 

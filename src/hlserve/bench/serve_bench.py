@@ -104,6 +104,7 @@ class _Recorder:
         self.session_times: list[float] = []
         self.sessions_failed = 0
         self.out_tokens = 0
+        self.failed = 0
         self.t0 = time.perf_counter()
         self.record_ids = spec.record_ids
         self.file: IO[str] | None = None
@@ -122,6 +123,8 @@ class _Recorder:
         self.records.append(rec)
         if rec.success:
             self.out_tokens += rec.output_tokens
+        else:
+            self.failed += 1
         if self.file is not None:
             row = rec.to_json()
             if self.record_ids:
@@ -129,9 +132,8 @@ class _Recorder:
                 row["output_ids"] = output
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
-        failed = sum(1 for r in self.records if not r.success)
         elapsed = max(1e-9, time.perf_counter() - self.t0)
-        self.bar.set_postfix(failed=failed, out_tok_s=f"{self.out_tokens / elapsed:.0f}",
+        self.bar.set_postfix(failed=self.failed, out_tok_s=f"{self.out_tokens / elapsed:.0f}",
                              refresh=False)
         self.bar.update(1)
 

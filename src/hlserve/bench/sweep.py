@@ -34,10 +34,11 @@ from typing import Any
 
 from hlserve.bench import report
 from hlserve.bench.client import ServerInfo
+from hlserve.bench.driver import fewer_gc_passes
 from hlserve.bench.metrics import RequestRecord, summarize
 from hlserve.bench.serve_bench import BenchSpec, _agent_sessions, _Recorder, run_bench
 from hlserve.errors import InvalidRequestError
-from hlserve.request import SamplingParams
+from hlserve.request import RequestOutput, SamplingParams
 from hlserve.server.launch import ExternalServer, free_port
 
 UNLIMITED = ("none", "unlimited", "inf", "off")
@@ -107,6 +108,7 @@ def session_rounds(s: Any) -> int:
     return len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
 
 
+@fewer_gc_passes
 def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[str, Any]:
     """The agent closed loop on an in-process engine: each session's next round is added in
     the iteration its last one finished. Times on the engine's clock (wall or virtual); one
@@ -114,7 +116,7 @@ def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[
     clock = engine.clock
     rec = _Recorder(spec, sum(session_rounds(s) for s in sessions))
     t0 = clock()
-    inflight: dict[str, tuple[Any, Any, RequestRecord, list[int]]] = {}
+    inflight: dict[str, tuple[Any, RequestRecord, list[int]]] = {}
     started: dict[int, float] = {}
 
     def submit(s: Any) -> None:
@@ -131,28 +133,29 @@ def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[
             rec.add(r, prompt, None)
             rec.sessions_failed += 1
             return
-        inflight[req.request_id] = (s, req, r, prompt)
+        inflight[req.request_id] = (s, r, prompt)
 
     try:
         for s in sessions:
             submit(s)
         while inflight:
-            for out in engine.step():
-                if not out.finished or out.request_id not in inflight:
+            for req in engine.step_requests():  # only finished requests are read
+                if not req.finished or req.request_id not in inflight:
                     continue
-                s, req, r, prompt = inflight.pop(out.request_id)
+                s, r, prompt = inflight.pop(req.request_id)
+                out = RequestOutput.of(req)
                 r.chunk_times = [t - t0 for t in req.token_times]
                 r.end = (out.metrics.get("finish_time") or clock()) - t0
                 r.output_tokens = len(out.token_ids)
                 r.cached_tokens = out.num_cached_tokens
-                r.finish_reason = str(getattr(out.finish_reason, "value", out.finish_reason))
+                r.finish_reason = str(out.finish_reason)
                 if r.finish_reason not in ("stop", "length") or not out.token_ids:
                     r.error = f"finished with {r.finish_reason}: {out.error or ''}".strip()
                     rec.add(r, prompt, None)
                     rec.sessions_failed += 1
                     continue
                 r.success = True
-                rec.add(r, prompt, list(out.token_ids))
+                rec.add(r, prompt, out.token_ids)
                 s.complete(out.token_ids)
                 if s.done:
                     rec.session_times.append(r.end - started[s.session_id])
@@ -276,11 +279,9 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
     base = engine_options_from_args(sw.engine_args) if sw.server_cmd is None else {}
     env = None
     if sw.threads:
-        env = {"OMP_NUM_THREADS": str(sw.threads)}
+        env = {"OMP_NUM_THREADS": str(sw.threads)}  # for a --server-cmd
         if sw.server_cmd is None:
-            import torch
-
-            torch.set_num_threads(sw.threads)
+            base.setdefault("cpu_threads", sw.threads)
     results: list[dict[str, Any]] = []
     for i, point in enumerate(sw.points):
         log(f"[{i + 1}/{len(sw.points)}] {point.label} {point.knobs} {shlex.join(point.args)}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from hlserve.config import EngineConfig
 from hlserve.runner.base import Batch, Runner, StepResult
-from hlserve.sim.cost import CostModel, IterationShape
+from hlserve.sim.cost import CostModel, shape_of
 from hlserve.sim.hardware import GIB, Hardware, get_hardware
 from hlserve.sim.models import resolve_model
 
@@ -72,7 +72,6 @@ class SimRunner(Runner):
         self._eos_set = frozenset(self.eos)
         self.eos_threshold = int(eos_rate * (1 << 32))
         # counters for reports
-        self.steps = 0
         self.busy_time = 0.0
         self.prefill_tokens = 0
         self.decode_tokens = 0
@@ -91,32 +90,15 @@ class SimRunner(Runner):
         return tok
 
     def execute(self, batch: Batch) -> StepResult:
-        prefill: list[tuple[int, int]] = []
-        tokens: dict[str, int] = {}
-        n_tok = n_dec = ctx_sum = ctx_max = 0
-        for s in batch.seqs:
-            q = s.num_tokens
-            start = s.start
-            end = start + q
-            n_tok += q
-            if q == 1 and start > 0:
-                n_dec += 1
-                ctx_sum += end
-                if end > ctx_max:
-                    ctx_max = end
-            else:
-                prefill.append((q, start))
-            req = s.request
-            if end == len(req.prompt_token_ids) + len(req.output_token_ids):
-                tokens[req.request_id] = self._token(req.prompt_token_ids[-1], end)
-        shape = IterationShape(n_tok, len(batch.seqs), len(tokens), tuple(prefill), n_dec,
-                               ctx_sum, ctx_max)
+        sampled: list = []
+        shape = shape_of(batch, sampled)  # the shape calibration fits to, not a copy of it
+        tokens = {s.request.request_id: self._token(s.request.prompt_token_ids[-1], s.end)
+                  for s in sampled}
         elapsed, _ = self.cost.iteration(shape)
-        self.steps += 1
         self.busy_time += elapsed
-        self.decode_tokens += n_dec
-        self.prefill_tokens += n_tok - n_dec
-        if prefill and n_dec:
+        self.decode_tokens += shape.num_decodes
+        self.prefill_tokens += shape.num_tokens - shape.num_decodes
+        if shape.prefill and shape.num_decodes:
             self.mixed_steps += 1
         return StepResult(tokens=tokens, elapsed=elapsed)
 

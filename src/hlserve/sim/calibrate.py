@@ -226,9 +226,7 @@ def fit_iterations(base: Hardware, mc: ModelConfig, data: list[tuple[IterationSh
     big = 1e12
     best: tuple[float, Hardware] | None = None
     for cache in caches:
-        feats = np.array([_features(cm0, s, cache) for s, _ in data])
-        if cache == 0:
-            feats[:, 4] = 0.0
+        feats = np.array([_features(cm0, s, cache) for s, _ in data])  # cache 0: no hits
         coef = nnls_relative(feats, y - gemm_part, 1 / y)
         c_iter, c_seq, c_seg, c_ap, c_hit, c_mem, c_mix, c_el = (float(c) for c in coef)
         if c_mem <= 0:
@@ -484,11 +482,11 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
     steps = rec.finish()
     num_pages = engine.kv.num_pages
     config = engine.config.replace(num_pages=num_pages)
-    mc = ModelConfig.from_dir(model_dir)
-    cm = CostModel(mc, hw)
-    pred_fwd = np.array([cm.iteration(s.shape)[0] - hw.host_overhead
-                         - hw.host_seq_overhead * s.shape.num_seqs for s in steps])
+    cm = CostModel(engine.runner.model_config, hw)
     pred_step = np.array([cm.iteration(s.shape)[0] for s in steps])
+    # the forward alone: the predicted step less the host time the profile adds to it
+    pred_fwd = pred_step - np.array([hw.host_overhead + hw.host_seq_overhead * s.shape.num_seqs
+                                     for s in steps])
     fwd = np.array([s.elapsed for s in steps])
     period = np.array([s.period for s in steps])
     # the same workload in simulation: same config, same pool, virtual clock

@@ -260,8 +260,9 @@ class CostModel:
         return max(0, int(free // self.kv_bytes_per_token))
 
 
-def shape_of(batch) -> IterationShape:
-    """Reduce a scheduler Batch to the numbers the cost depends on."""
+def shape_of(batch, sampled: list | None = None) -> IterationShape:
+    """Reduce a scheduler Batch to the numbers the cost depends on; the sequences that sample
+    a token are appended to ``sampled`` when given (the same single pass)."""
     prefill: list[tuple[int, int]] = []
     n_tok = n_dec = ctx_sum = ctx_max = samples = 0
     for s in batch.seqs:
@@ -277,9 +278,7 @@ def shape_of(batch) -> IterationShape:
             prefill.append((q, s.start))
         if end == s.request.num_tokens:
             samples += 1
+            if sampled is not None:
+                sampled.append(s)
     return IterationShape(n_tok, len(batch.seqs), samples, tuple(prefill), n_dec, ctx_sum, ctx_max)
-
-
-def ms(x: float) -> str:
-    return f"{1e3 * x:.3f}" if x < 1 else f"{1e3 * x:.1f}"
 

@@ -8,49 +8,21 @@ the next arrival; with the wall clock it sleeps until then. Results are the benc
 
 from __future__ import annotations
 
-import functools
-import gc
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from hlserve.bench.driver import RequestRecord, RunResult, record_of
+from hlserve.bench.driver import RequestRecord, RunResult, fewer_gc_passes, record_of
 from hlserve.bench.workloads import AgentWorkload, Arrival, MooncakeTrace
 from hlserve.engine.engine import Engine
 from hlserve.request import RequestOutput, SamplingParams
 
-R = TypeVar("R")
-
 
 def _params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _fewer_gc_passes(driver: Callable[..., R]) -> Callable[..., R]:
-    """Under a virtual clock, a driver runs the cyclic garbage collector less often.
-
-    A simulated hour creates hundreds of thousands of long-lived radix-tree nodes, and with
-    the default thresholds the collector rescans them as they age: a fifth of the
-    simulator's wall time (``benchmarks/sim_speed.py``). Nothing of a simulation is cyclic
-    garbage in bulk, so fewer young-generation passes lose nothing. Real (wall-clock) runs
-    keep the interpreter's defaults."""
-
-    @functools.wraps(driver)
-    def run(engine: Engine, *args: Any, **kwargs: Any) -> R:
-        if getattr(engine.clock, "advance", None) is None:
-            return driver(engine, *args, **kwargs)
-        old = gc.get_threshold()
-        gc.set_threshold(100_000, 50, 100)
-        try:
-            return driver(engine, *args, **kwargs)
-        finally:
-            gc.set_threshold(*old)
-
-    return run
 
 
 def _wait_until(engine: Engine, t: float) -> None:
@@ -94,7 +66,7 @@ def _window_tokens(rec: RequestRecord, t0: float, t1: float) -> tuple[float, flo
     return prompt, float(max(0, hi - lo + 1))
 
 
-@_fewer_gc_passes
+@fewer_gc_passes
 def run_agent_steady(engine: Engine, workload: AgentWorkload, duration: float,
                      warmup: float = 0.0, progress: bool = False,
                      wall_limit: float | None = None, ramp: float = 0.0) -> SteadyResult:
@@ -212,9 +184,8 @@ def run_agent_steady(engine: Engine, workload: AgentWorkload, duration: float,
                         stalled_at=stalled_at, extra=extra)
 
 
-@_fewer_gc_passes
-def run_open_loop(engine: Engine, arrivals: Iterable[Arrival], progress: bool = False,
-                  on_finish: Callable[[Arrival, RequestOutput], None] | None = None) -> RunResult:
+@fewer_gc_passes
+def run_open_loop(engine: Engine, arrivals: Iterable[Arrival], progress: bool = False) -> RunResult:
     """Submit each arrival at its time (seconds after the start), whatever the engine's state;
     run until every request has finished."""
     pending = sorted(arrivals, key=lambda a: a.time)
@@ -243,14 +214,12 @@ def run_open_loop(engine: Engine, arrivals: Iterable[Arrival], progress: bool = 
                 a = inflight.pop(out.request_id)
                 records.append(record_of(out, a.key, 0))
                 bar.update(1)
-                if on_finish is not None:
-                    on_finish(a, out)
     bar.close()
     end = max((r.finish for r in records), default=start)
     return RunResult(records=records, duration=max(1e-9, end - start), session_times=[])
 
 
-@_fewer_gc_passes
+@fewer_gc_passes
 def run_trace_closed(engine: Engine, trace: MooncakeTrace, concurrency: int | None = None,
                      time_scale: float = 1.0, progress: bool = False) -> RunResult:
     """Closed loop along the trace's chains: a request that continues an earlier one is sent

@@ -31,8 +31,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-INF = None  # an unset cap
-
 # system -> (options, knob swept, default sweep)
 ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {
     "hlserve-chunked": ({"chunk_size": 8192}, "greedy prefill off: chunks of 8192 (SGLang's H20 default)"),
@@ -121,13 +119,14 @@ class Point:
         return f"{self.system} {name}={self.knob or 'inf'}"
 
 
-def run_point(spec: StudySpec, point: Point) -> dict[str, Any]:
-    """Simulate one point; returns its JSON record."""
+def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Simulate one point; returns its JSON record. ``options`` adds engine options on top of
+    the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object."""
     from hlserve.bench.workloads import AgentWorkload
     from hlserve.sim.build import build_sim_engine
     from hlserve.sim.drive import run_agent_steady
 
-    opts = system_options(point.system, point.knob)
+    opts = {**system_options(point.system, point.knob), **(options or {})}
     max_len = point.context + 4096
     engine = build_sim_engine(spec.model, spec.hardware, spec.tp, max_model_len=max_len, **opts)
     vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
@@ -149,6 +148,7 @@ def run_point(spec: StudySpec, point: Point) -> dict[str, Any]:
         "errors": res.errors,
         "iterations": engine.stats.steps,
         "mixed_iterations": runner.mixed_steps,
+        "stage_switches": getattr(engine.scheduler.mixing, "switches", None),
         "prefill_tokens_computed": runner.prefill_tokens,
         "decode_tokens_computed": runner.decode_tokens,
         "sim_seconds": engine.clock(),
