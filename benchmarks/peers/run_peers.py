@@ -43,6 +43,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from hlserve.bench.cli import parse_range
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
 from hlserve.server.launch import ExternalServer, free_port
 
@@ -167,10 +168,6 @@ def main() -> int:
                          "(a separate, unmeasured pass after the measured one)")
     args = ap.parse_args()
 
-    def rng(text: str) -> tuple[int, int]:
-        lo, _, hi = text.partition(":")
-        return int(lo), int(hi or lo)
-
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     py = ensure_vllm(args.vllm_venv) if any(parse_server(n)[0] == "vllm" for n in servers) \
         else None
@@ -178,8 +175,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     spec = BenchSpec(base_url="", model="m", workload="agent", sessions=args.sessions,
                      rounds=args.rounds, system_prompt_len=args.system_prompt_len,
-                     task_len=args.task_len, tool_output_len=rng(args.tool_output_len),
-                     output_len=rng(args.output_len), seed=args.seed, timeout=1800)
+                     task_len=args.task_len, tool_output_len=parse_range(args.tool_output_len),
+                     output_len=parse_range(args.output_len), seed=args.seed, timeout=1800)
     warm = replace(spec, sessions=4, rounds=1, seed=args.seed + 1000, progress=False)
     print(f"workload: {args.sessions} sessions x {args.rounds} rounds, system "
           f"{args.system_prompt_len}, task {args.task_len}, tool {args.tool_output_len}, "

@@ -17,7 +17,7 @@ from typing import Any
 from hlserve.bench.metrics import SLO
 
 
-def _range(text: str) -> tuple[int, int]:
+def parse_range(text: str) -> tuple[int, int]:
     """``N`` or ``LO:HI`` (inclusive)."""
     lo, _, hi = text.partition(":")
     a, b = int(lo), int(hi or lo)
@@ -54,9 +54,9 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="agent: shared system prompt / tool definitions; chat: shared system "
                         "prompt (default: 512)")
     g.add_argument("--task-len", type=int, default=64, help="agent: unique task (default: 64)")
-    g.add_argument("--tool-output-len", type=_range, default=(64, 256), metavar="LO:HI",
+    g.add_argument("--tool-output-len", type=parse_range, default=(64, 256), metavar="LO:HI",
                    help="agent: new tokens per round (default: 64:256)")
-    g.add_argument("--output-len", type=_range, default=(16, 64), metavar="LO:HI",
+    g.add_argument("--output-len", type=parse_range, default=(16, 64), metavar="LO:HI",
                    help="generated tokens per request, pinned with ignore_eos (default: 16:64)")
     if not sweep:
         g.add_argument("--think-time", type=float, default=0.0,
@@ -64,7 +64,7 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         g.add_argument("--num-prompts", type=int, default=100, help="chat: requests")
         g.add_argument("--request-rate", type=float, default=math.inf,
                        help="chat: requests per second, Poisson (default: inf, all at once)")
-        g.add_argument("--input-len", type=_range, default=(256, 1024), metavar="LO:HI",
+        g.add_argument("--input-len", type=parse_range, default=(256, 1024), metavar="LO:HI",
                        help="chat: prompt tokens (default: 256:1024)")
         g.add_argument("--max-concurrency", type=int, default=None,
                        help="chat/trace: at most this many requests in flight")
@@ -82,7 +82,7 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--output-scale", type=float, default=None,
                    help="trace: multiply output lengths by this (default: --length-scale)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--vocab", type=_range, default=(3, 4096), metavar="LO:HI",
+    g.add_argument("--vocab", type=parse_range, default=(3, 4096), metavar="LO:HI",
                    help="token ids drawn from [LO, HI) (default: 3:4096)")
 
 

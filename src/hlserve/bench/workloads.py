@@ -265,13 +265,16 @@ class MooncakeTrace:
         rng = np.random.default_rng([self.seed, hash_id])
         return tuple(rng.integers(self.vocab[0], self.vocab[1], BLOCK).tolist())
 
-    def prompt(self, req: TraceRequest) -> list[int]:
+    def prompt(self, req: TraceRequest, n: int | None = None, block_len: int = BLOCK) -> list[int]:
+        """The request's token ids: the first ``block_len`` ids of each hash id's block, cut
+        to ``n`` tokens (default: its input length). Scaled replays shrink both."""
+        n = req.input_length if n is None else n
         ids: list[int] = []
-        for k, h in enumerate(req.hash_ids):
-            block = self.block(h)
-            n = min(BLOCK, req.input_length - k * BLOCK)
-            ids.extend(block[:n])
-        return ids
+        for h in req.hash_ids:
+            if len(ids) >= n:
+                break
+            ids.extend(self.block(h)[:block_len])
+        return ids[:n]
 
     def stats(self) -> dict[str, float]:
         reqs = self.requests
@@ -354,15 +357,7 @@ class ScaledTrace:
         return max(1, round(r.output_length * s))
 
     def prompt(self, r: TraceRequest) -> list[int]:
-        if self.length_scale == 1.0:
-            return self.trace.prompt(r)
-        n, b = self.input_len(r), self.block_len
-        ids: list[int] = []
-        for h in r.hash_ids:
-            if len(ids) >= n:
-                break
-            ids.extend(self.trace.block(h)[:b])
-        return ids[:n]
+        return self.trace.prompt(r, self.input_len(r), self.block_len)
 
 
 def trace_requests(st: ScaledTrace, time_scale: float = 1.0, max_len: int | None = None
