@@ -18,3 +18,14 @@ class InvalidRequestError(HLServeError, ValueError):
 
 class EngineDeadError(HLServeError):
     """The engine loop stopped on an internal error; no request can be served any more."""
+
+
+class ServiceUnavailableError(HLServeError):
+    """The server cannot take this request now (queue full, draining, engine gone); the server
+    maps it to HTTP 503, with ``Retry-After`` when ``retry_after_s`` is set."""
+
+    def __init__(self, message: str, code: str = "unavailable",
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s

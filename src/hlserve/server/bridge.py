@@ -121,6 +121,12 @@ class EngineBridge:
             return "the engine thread has exited"
         return None
 
+    def health_problem(self) -> str | None:
+        """None while the engine serves; else why it does not (for ``/health``)."""
+        if self.alive:
+            return None
+        return self.dead_reason or "the engine is stopping"
+
     def num_queued(self) -> int:
         """Requests waiting for the engine: submitted but not added, plus the engine's queue."""
         return self._pending + self._waiting
