@@ -145,6 +145,9 @@ class Request:
     priority: int = 0  # lower value = served first (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
+    # prefix-cache namespace (vLLM's ``cache_salt``): pages cached under one salt are never
+    # matched by a request with another; None is the shared namespace
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -94,6 +94,7 @@ class Engine:
         request_class: RequestClass | str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
@@ -105,6 +106,7 @@ class Engine:
             priority=priority,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.default_eos,
+            cache_salt=cache_salt,
         )
         if request_id is not None:
             if request_id in self.requests:

@@ -13,6 +13,12 @@ child's and the unreferenced nodes hang below referenced ones. They sit in one L
 releases walk leaf to root, so a child always stands before its parent in that list and the
 head of the list is always a leaf: eviction is O(1), no heap, no scan.
 
+**Namespaces.** A request may carry a cache salt (vLLM's ``cache_salt``; the server sets it per
+API key): a salted request's first page is keyed by ``(salt, *tokens)``, so it matches only
+pages cached under the same salt, and every deeper page hangs below a salted first page.
+Requests of different salts never share a page nor see each other's hits; unsalted requests
+share the plain namespace. Nothing else changes: eviction and accounting are per node.
+
 Pages stay private to a request until they are full; full pages enter the tree as soon as
 their KV is computed (not only at the end), so concurrent requests with a shared prefix and
 a retracted request coming back both hit them. Physical tensors live in the runner, indexed
@@ -22,22 +28,24 @@ by the page ids handed out here.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 class Node:
-    """One cached page: ``key`` is its tokens, unique among its parent's children.
+    """One cached page: ``key`` is its tokens (a first page's also its salt), unique among
+    its parent's children.
 
     A plain slotted class, not a dataclass: a long prefill creates thousands per iteration
     and identity (not value) is what equality and hashing must mean here."""
 
     __slots__ = ("children", "evicted", "key", "page", "parent", "ref")
 
-    def __init__(self, page: int, key: tuple[int, ...], parent: Node | None, ref: int = 0) -> None:
+    def __init__(self, page: int, key: tuple, parent: Node | None, ref: int = 0) -> None:
         self.page = page
         self.key = key
         self.parent = parent
-        self.children: dict[tuple[int, ...], Node] = {}
+        self.children: dict[tuple, Node] = {}
         self.ref = ref
         self.evicted = False  # out of the tree; ``parent`` is kept so matchers can climb back
 
@@ -48,6 +56,7 @@ class SeqPages:
 
     pages: list[int] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
+    salt: str | None = None  # the namespace its pages are committed under
 
 
 class KVCacheManager:
@@ -101,15 +110,27 @@ class KVCacheManager:
         seq = self._seqs.get(req_id)
         return len(seq.pages) if seq else 0
 
-    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[Node]:
-        """Tree nodes spelling the longest cached prefix of ``tokens`` (no state change)."""
+    def page_key(self, parent: Node, page_tokens: Sequence[int], salt: str | None) -> tuple:
+        """The key of the page spelling ``page_tokens`` under ``parent``: first pages carry
+        the salt, so namespaces part at the root."""
+        key = tuple(page_tokens)
+        return (salt, *key) if salt is not None and parent is self.root else key
+
+    def child(self, parent: Node, page_tokens: Sequence[int], salt: str | None = None) -> Node | None:
+        """The cached page spelling ``page_tokens`` under ``parent`` in ``salt``'s namespace."""
+        return parent.children.get(self.page_key(parent, page_tokens, salt))
+
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None,
+                     salt: str | None = None) -> list[Node]:
+        """Tree nodes spelling the longest cached prefix of ``tokens`` in ``salt``'s
+        namespace (no state change)."""
         if not self.enable_prefix_caching:
             return []
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         ps = self.page_size
         node, out = self.root, []
         for i in range(limit // ps):
-            child = node.children.get(tuple(tokens[i * ps : (i + 1) * ps]))
+            child = self.child(node, tokens[i * ps : (i + 1) * ps], salt)
             if child is None:
                 break
             out.append(child)
@@ -118,20 +139,21 @@ class KVCacheManager:
 
     # ---- state changes ---------------------------------------------------------------------
     def admit(self, req_id: str, tokens: list[int], max_cached_tokens: int,
-              matched: list[Node] | None = None) -> int:
+              matched: list[Node] | None = None, salt: str | None = None) -> int:
         """Start holding pages for a request; returns how many leading tokens are cached.
 
         ``max_cached_tokens`` is at most ``len(tokens) - 1``: the last token is always
         computed, because its logits are what the next token is sampled from. ``matched``
         is ``match_prefix(tokens, max_cached_tokens)`` when the caller just computed it
-        (with no change to the tree since): a long context is then not walked twice.
+        (with no change to the tree since, and the same ``salt``): a long context is then
+        not walked twice. The request's pages are committed under ``salt``'s namespace.
         """
         if req_id in self._seqs:
             raise RuntimeError(f"{req_id} already holds pages")
-        nodes = self.match_prefix(tokens, max_cached_tokens) if matched is None else matched
+        nodes = self.match_prefix(tokens, max_cached_tokens, salt) if matched is None else matched
         for node in nodes:
             self._lock(node)
-        self._seqs[req_id] = SeqPages(pages=[n.page for n in nodes], nodes=list(nodes))
+        self._seqs[req_id] = SeqPages(pages=[n.page for n in nodes], nodes=list(nodes), salt=salt)
         self.prefix_queries += len(tokens)
         self.prefix_hits += len(nodes) * self.page_size
         return len(nodes) * self.page_size
@@ -172,7 +194,7 @@ class KVCacheManager:
         start = len(seq.nodes)
         for i in range(start, full):
             a = i * ps - offset
-            key = tuple(tokens[a : a + ps])
+            key = self.page_key(parent, tokens[a : a + ps], seq.salt)
             node = parent.children.get(key)
             if node is None:
                 node = Node(seq.pages[i], key, parent, 1)

@@ -92,7 +92,7 @@ class LongestPrefixMatch(OrderPolicy):
         while depth < limit:
             self.lookups += 1
             # keys are cut on demand: a page's tokens only when the walk reaches it
-            child = node.children.get(tuple(req.tokens(depth * ps, (depth + 1) * ps)))
+            child = self.kv.child(node, req.tokens(depth * ps, (depth + 1) * ps), req.cache_salt)
             if child is None:
                 break
             node, depth = child, depth + 1
@@ -119,7 +119,8 @@ class LongestPrefixMatch(OrderPolicy):
 
 def plain_radix_walk_order(kv: KVCacheManager, waiting: list[Request]) -> list[Request]:
     """The baseline LPM: a fresh walk from the root for every waiting request (benchmarks)."""
-    scored = [(-len(kv.match_prefix(r.all_token_ids, r.num_tokens - 1)), r.arrival_time, i)
+    scored = [(-len(kv.match_prefix(r.all_token_ids, r.num_tokens - 1, r.cache_salt)),
+               r.arrival_time, i)
               for i, r in enumerate(waiting)]
     return [waiting[i] for _, _, i in sorted(scored)]
 

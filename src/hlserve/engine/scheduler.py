@@ -222,21 +222,21 @@ class Scheduler:
         ps = self.kv.page_size
         mid_chunk = sum(1 for r in self.running if r.in_prefill)
         span = SHARED_SPAN_PAGES * ps
-        computing: set[tuple[Node, tuple[int, ...]]] = set()  # uncached runs being prefilled now
+        computing: set[tuple[Node | str | None, tuple[int, ...]]] = set()  # (where, next tokens) in prefill
         for req in list(self._waiting_order()):
             if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
                 break
             if cfg.max_prefill_tokens is not None and self._prefill_tokens >= cfg.max_prefill_tokens:
                 break  # SGLang's cap: the first prefill of an iteration may exceed it
             tokens = req.all_token_ids
-            nodes = self.kv.match_prefix(tokens, len(tokens) - 1)
+            nodes = self.kv.match_prefix(tokens, len(tokens) - 1, req.cache_salt)
             cached = len(nodes) * ps
             n = int(min(len(tokens) - cached, self._chunk, self._budget))
             if cfg.defer_shared_prefill and len(tokens) - cached >= span:
                 # in-batch prefix sharing: a request whose next uncached tokens another
                 # request is prefilling in this very iteration waits one iteration and then
                 # finds them cached, instead of computing them a second time
-                run = (nodes[-1] if nodes else self.kv.root, tuple(tokens[cached : cached + span]))
+                run = (nodes[-1] if nodes else req.cache_salt, tuple(tokens[cached : cached + span]))
                 if run in computing:
                     continue
                 computing.add(run)
@@ -257,7 +257,8 @@ class Scheduler:
                 continue
             if verdict == Admit.WAIT or chunk_pages > headroom:
                 break
-            cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=nodes)
+            cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=nodes,
+                                   salt=req.cache_salt)
             req.num_prefix_queries += len(tokens)
             req.num_prefix_hits += cached
             ok = self.kv.allocate(req.request_id, cached + n)

@@ -58,6 +58,7 @@ class Submission:
     arrival: float  # the engine clock's time when the HTTP request arrived
     index: int
     sink: asyncio.Queue[Event]
+    cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
 
 
 @dataclass(eq=False)
@@ -211,7 +212,8 @@ class EngineBridge:
                 try:
                     req = eng.add_request(sub.prompt, sub.params, request_id=sub.request_id,
                                           request_class=sub.request_class,
-                                          priority=sub.priority, arrival_time=sub.arrival)
+                                          priority=sub.priority, arrival_time=sub.arrival,
+                                          cache_salt=sub.cache_salt)
                 except Exception as e:  # a bad request never takes the engine down
                     if not isinstance(e, InvalidRequestError):
                         log.exception("add_request failed for %s", sub.request_id)
