@@ -1,18 +1,29 @@
-"""Paged attention in plain PyTorch: one code path for CPU and CUDA.
+"""Paged attention in plain PyTorch: one interface for CPU and CUDA.
 
-The KV cache of one layer is a flat tensor of slots, ``[num_pages * page_size, kv_heads,
-head_dim]``; slot ``page * page_size + offset`` holds one token. A batch is a flat run of
-tokens from many sequences, each continuing from whatever context it already has in the cache
-(zero for a fresh prefill, a prefix-cache hit or earlier chunks, or the whole history for a
-decode). Every new token's K/V is scattered into its slot first; attention then reads the
-sequence's context back through its page table.
+The KV cache of one layer is a pair of tensors ``[kv_heads, num_pages, page_size, head_dim]``
+(head-major, so that a gathered context is one contiguous ``[context, head_dim]`` matrix per
+KV head); token ``page * page_size + offset`` of the pool is one row of each head. A batch is a
+flat run of tokens from many sequences, each continuing from whatever context it already has
+in the cache (zero for a fresh prefill; a prefix-cache hit, earlier chunks or the whole
+history otherwise). Every new token's K/V is scattered into its slot first; attention then
+reads the sequence's context back through its page table.
 
-Each sequence runs one SDPA call over its own context, gathered through its page table:
-a decode (one query) needs no mask, so it takes the fast kernel; a prefill chunk over cached
-context masks causally past its offset; a fresh prompt attends to its own new K/V with
-``is_causal`` and needs no gather at all. (A single padded, masked call over all decodes was
-measured 1.45x slower per decode step on the CPU: padding and the mask cost more than the
-per-call overhead saves.)
+Three cases, each on the kernel that suits it (measured on the CPU, 0.5B shape, bf16; see
+docs/bench.md, "Engine speed"):
+
+- **Decode** (one new token over its context): the query heads that share a KV head are the
+  rows of one query matrix, ``[kv_heads, group, head_dim]`` against that head's
+  ``[context, head_dim]``. That is exact for one query position, needs no mask, no GQA
+  expansion and no single-query kernel (SDPA with one query and ``enable_gqa`` was 4-5x
+  slower here). The context pages of every sequence that reads context are gathered once per
+  layer with one ``index_select``. On CUDA the decodes run as one padded, masked SDPA call (a
+  kernel launch per sequence costs more there than the padding); on the CPU one call per
+  sequence over its own context wins (padding and the mask cost more than the calls).
+- **Prefill over a cached context** (a later chunk, or a prompt after a prefix-cache hit):
+  attention to the cached part needs no mask and attention to the new part is square causal;
+  the two are computed separately and merged by their log-sum-exp, so no ``[new, context]``
+  mask is ever built. On CUDA a lower-right causal bias does the same inside one kernel.
+- **Fresh prefill** (no context): causal SDPA over the new K/V, no gather.
 """
 
 from __future__ import annotations
@@ -23,61 +34,158 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     """One sequence's new tokens in this batch (a prompt chunk, or one decode token)."""
 
     start: int  # index of its first token in the flat batch
     end: int  # one past its last token
     context_len: int  # tokens already in the cache before this batch
-    slots: torch.Tensor | None  # [context_len + (end - start)] slot ids; None when context_len == 0
+    # its pages in AttentionMetadata.context_pages: [page_lo, page_hi); empty for a fresh prompt
+    page_lo: int = 0
+    page_hi: int = 0
+
+    @property
+    def num_new(self) -> int:
+        return self.end - self.start
+
+    @property
+    def total_len(self) -> int:
+        return self.context_len + self.end - self.start
 
 
-@dataclass
+@dataclass(slots=True)
+class PaddedDecodes:
+    """Every decode of the batch as one padded call (CUDA): rows, page tables, lengths."""
+
+    rows: torch.Tensor  # [B] index of each decode token in the flat batch
+    pages: torch.Tensor  # [B, max_pages] page ids, padded with page 0
+    lengths: torch.Tensor  # [B] keys each decode sees (its context + itself)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    slot_mapping: torch.Tensor  # [T] pool slot (page * page_size + offset) of every new token
     segments: list[Segment]
+    # the page tables of every segment with context, concatenated (one gather per layer)
+    context_pages: torch.Tensor | None = None
+    padded_decodes: PaddedDecodes | None = None  # set: decodes run batched (see module doc)
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+def kv_cache_shape(num_pages: int, page_size: int, kv_heads: int, head_dim: int
+                   ) -> tuple[int, int, int, int]:
+    return (kv_heads, num_pages, page_size, head_dim)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Scatter new K/V (``[T, kv_heads, head_dim]``) into their pool slots."""
+    kvh, pages, ps, d = k_cache.shape
+    k_cache.view(kvh, pages * ps, d).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(kvh, pages * ps, d).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, KVH, D] (already written to the cache)
+    k: torch.Tensor,  # [T, KVH, D] new keys (already written to the cache)
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [S, KVH, D]
+    k_cache: torch.Tensor,  # [KVH, pages, page_size, D]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
+    kvh, _, _, d = k_cache.shape
+    group = q.shape[1] // kvh
+    kc = vc = None
+    if meta.context_pages is not None:
+        # [KVH, P, page_size, D]: one copy per layer of every context this batch reads
+        kc = k_cache.index_select(1, meta.context_pages)
+        vc = v_cache.index_select(1, meta.context_pages)
+    batched = meta.padded_decodes
+    if batched is not None:
+        out[batched.rows] = _padded_decode(q[batched.rows], k_cache, v_cache, batched, scale)
     for seg in meta.segments:
-        qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seg.context_len == 0:
-            ks = k[seg.start : seg.end]
-            vs = v[seg.start : seg.end]
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=scale, enable_gqa=gqa,
-            )
+            out[seg.start : seg.end] = _fresh_prefill(q[seg.start : seg.end],
+                                                      k[seg.start : seg.end],
+                                                      v[seg.start : seg.end], scale)
+            continue
+        if batched is not None and seg.num_new == 1:
+            continue  # done above
+        assert kc is not None and vc is not None
+        ks = kc[:, seg.page_lo : seg.page_hi].reshape(kvh, -1, d)[:, : seg.total_len]
+        vs = vc[:, seg.page_lo : seg.page_hi].reshape(kvh, -1, d)[:, : seg.total_len]
+        if seg.num_new == 1:
+            qs = q[seg.start].view(1, kvh, group, d)  # the group's heads as query rows
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), scale=scale)
+            out[seg.start] = o.view(-1, d)
         else:
-            assert seg.slots is not None
-            ks = k_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
-            vs = v_cache.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
-            n, total = seg.end - seg.start, seg.slots.shape[0]
-            mask = None  # one query (a decode) sees every key: no mask, the fast kernel
-            if n > 1:
-                # query i sits at position context_len + i and sees keys 0..context_len + i
-                qpos = torch.arange(n, device=q.device).unsqueeze(1) + seg.context_len
-                mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-        out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
+            qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            o = _prefill_over_context(qs, ks.unsqueeze(0), vs.unsqueeze(0), seg.context_len,
+                                      scale)
+            out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                   ) -> torch.Tensor:
+    """A prompt with nothing cached: causal attention over its own new K/V."""
+    gqa = q.shape[1] != k.shape[1]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   batch: PaddedDecodes, scale: float) -> torch.Tensor:
+    """All decodes in one SDPA call: contexts padded to the longest, padding masked."""
+    kvh, _, ps, d = k_cache.shape
+    b, max_pages = batch.pages.shape
+    group = q.shape[1] // kvh
+    # [KVH, B, max_pages, ps, D] -> [B, KVH, max_pages * ps, D]
+    ks = k_cache[:, batch.pages].transpose(0, 1).reshape(b, kvh, max_pages * ps, d)
+    vs = v_cache[:, batch.pages].transpose(0, 1).reshape(b, kvh, max_pages * ps, d)
+    keep = torch.arange(max_pages * ps, device=q.device).unsqueeze(0) < batch.lengths.unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.view(b, kvh, group, d), ks, vs,
+                                       attn_mask=keep[:, None, None, :], scale=scale)
+    return o.reshape(b, kvh * group, d)
+
+
+def _prefill_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+                          scale: float) -> torch.Tensor:
+    """``q`` [1, H, n, D] at positions context_len..context_len+n-1, over ``k``/``v``
+    [1, KVH, context_len + n, D]: query i sees keys 0..context_len+i (lower-right causal)."""
+    n, total = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total),
+                                              scale=scale, enable_gqa=gqa)
+    if gqa:  # the LSE kernel takes equal head counts
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    cached = _sdpa_lse(q, k[:, :, :context_len], v[:, :, :context_len], False, scale)
+    new = _sdpa_lse(q, k[:, :, context_len:], v[:, :, context_len:], True, scale)
+    if cached is None or new is None:  # no LSE kernel in this torch: one masked call
+        qpos = torch.arange(n, device=q.device).unsqueeze(1) + context_len
+        mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    (o1, lse1), (o2, lse2) = cached, new
+    # softmax over the union = each part's softmax weighted by its share of the total mass
+    w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)  # e^lse1 / (e^lse1 + e^lse2)
+    return (o1.float() * w1 + o2.float() * (1 - w1)).to(q.dtype)
+
+
+_LSE_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention output and the log-sum-exp of its scores per query row (CPU flash kernel)."""
+    if _LSE_OP is None:
+        return None
+    out, lse = _LSE_OP(q, k, v, 0.0, causal, scale=scale)[:2]
+    return out, lse.float()

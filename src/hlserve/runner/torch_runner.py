@@ -8,9 +8,10 @@ import time
 import torch
 
 from hlserve.config import EngineConfig
-from hlserve.models.attention import AttentionMetadata, Segment
+from hlserve.models.attention import AttentionMetadata, PaddedDecodes, Segment, kv_cache_shape
 from hlserve.models.config import ModelConfig
 from hlserve.models.loader import load_model, resolve_dtype
+from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.runner.cpu_alloc import keep_freed_memory
@@ -34,13 +35,16 @@ class TorchRunner(Runner):
         mc = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        if can_prepack(self.device, self.dtype):
+            prepack_linears(self.model)
         self.page_size = config.page_size
         per_token = mc.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
         self.num_pages = config.num_pages or max(
             1, int(config.kv_cache_gb * 2**30) // (per_token * self.page_size)
         )
         slots = self.num_pages * self.page_size
-        shape = (slots, mc.num_key_value_heads, mc.head_dim)
+        shape = kv_cache_shape(self.num_pages, self.page_size, mc.num_key_value_heads,
+                               mc.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -48,6 +52,8 @@ class TorchRunner(Runner):
             )
             for _ in range(mc.num_hidden_layers)
         ]
+        # decodes as one padded call where kernel launches cost more than padding (CUDA)
+        self.batched_decode = self.device.type == "cuda"
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
         log.info(
@@ -57,35 +63,53 @@ class TorchRunner(Runner):
         )
 
     # ---- batch -> tensors ----------------------------------------------------------------
-    def _slots(self, page_table: list[int], start: int, end: int) -> torch.Tensor:
-        ps = self.page_size
-        pos = torch.arange(start, end)
-        pages = torch.tensor(page_table, dtype=torch.long)
-        return pages[pos // ps] * ps + pos % ps
-
     def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions, new tokens' slots and each sequence's context pages: plain
+        lists over the batch (O(tokens + pages)), one host-to-device copy each."""
+        ps = self.page_size
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx_pages: list[int] = []
         segments: list[Segment] = []
-        # every sequence's slots (context and new tokens) go to the device in one copy
-        all_slots = torch.cat([self._slots(seq.page_table, 0, seq.end) for seq in batch.seqs])
-        all_slots = all_slots.to(self.device)
-        off = 0
         for seq in batch.seqs:
             t0 = len(ids)
             ids.extend(seq.request.tokens(seq.start, seq.end))
-            positions.append(torch.arange(seq.start, seq.end))
-            slots = all_slots[off : off + seq.end]
-            off += seq.end
-            slot_mapping.append(slots[seq.start :])
-            # a sequence with context reads it back through its slots; a fresh prompt attends
-            # to its own new K/V and needs none
-            ctx = slots if seq.start > 0 else None
-            segments.append(Segment(t0, len(ids), seq.start, ctx))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_mapping), segments=segments)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return input_ids, torch.cat(positions).to(self.device), meta
+            table = seq.page_table
+            if seq.num_tokens == 1:  # a decode: no per-token ranges to build
+                positions.append(seq.start)
+                slots.append(table[seq.start // ps] * ps + seq.start % ps)
+            else:
+                rng = range(seq.start, seq.end)
+                positions.extend(rng)
+                slots.extend([table[p // ps] * ps + p % ps for p in rng])
+            seg = Segment(t0, len(ids), seq.start)
+            if seq.start > 0:  # reads its context back through its pages
+                seg.page_lo = len(ctx_pages)
+                ctx_pages.extend(table[: -(-seq.end // ps)])
+                seg.page_hi = len(ctx_pages)
+            segments.append(seg)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), segments=segments,
+            context_pages=torch.tensor(ctx_pages, dtype=torch.long, device=dev)
+            if ctx_pages else None)
+        if self.batched_decode:
+            meta.padded_decodes = self._padded_decodes(batch, segments)
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
+    def _padded_decodes(self, batch: Batch, segments: list[Segment]) -> PaddedDecodes | None:
+        rows = [seg.start for seg in segments if seg.num_new == 1 and seg.context_len > 0]
+        if not rows:
+            return None
+        decodes = [s for s in batch.seqs if s.is_decode]
+        width = max(-(-s.end // self.page_size) for s in decodes)
+        pages = [s.page_table[:width] + [0] * (width - len(s.page_table[:width]))
+                 for s in decodes]
+        dev = self.device
+        return PaddedDecodes(torch.tensor(rows, device=dev), torch.tensor(pages, device=dev),
+                             torch.tensor([s.end for s in decodes], device=dev))
 
     # ---- execute ------------------------------------------------------------------------
     @torch.inference_mode()
