@@ -1,0 +1,203 @@
+"""The paged attention paths against a plain dense reference, and end to end against
+transformers on contexts that span many pages, with and without GQA, page sizes 1 and 16.
+
+Unit level: random K/V scattered into a shuffled pool, batches that mix fresh prompts,
+chunks over a cached context and decodes; every path (per-sequence decode, the padded decode
+that CUDA uses, the LSE-merged prefill and its masked fallback) gives the reference's output.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hlserve import LLM, SamplingParams
+from hlserve.models import attention as attn
+from hlserve.models import tiny
+from hlserve.models.packed_linear import PackedLinear, can_prepack
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int,
+              scale: float) -> torch.Tensor:
+    """Dense attention in fp64: q [n, H, D] at positions first_pos.., k/v [L, KVH, D]."""
+    h, kvh = q.shape[1], k.shape[1]
+    kk = k.double().repeat_interleave(h // kvh, 1).transpose(0, 1)  # [H, L, D]
+    vv = v.double().repeat_interleave(h // kvh, 1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ kk.transpose(1, 2) * scale  # [H, n, L]
+    qpos = torch.arange(q.shape[0]).unsqueeze(1) + first_pos
+    s = s.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > qpos, float("-inf"))
+    return (torch.softmax(s, -1) @ vv).transpose(0, 1)  # [n, H, D]
+
+
+def build_case(heads: int, kv_heads: int, page_size: int, seqs: list[tuple[int, int]],
+               seed: int = 0):
+    """seqs: (context_len, new_tokens) each. Returns the inputs, metadata and references."""
+    g = torch.Generator().manual_seed(seed)
+    d = 16
+    total_pages = sum(-(-(c + n) // page_size) for c, n in seqs) + 3
+    k_cache = torch.zeros(attn.kv_cache_shape(total_pages, page_size, kv_heads, d))
+    v_cache = torch.zeros_like(k_cache)
+    order = list(range(total_pages))
+    random.Random(seed).shuffle(order)  # no sequence's pages are contiguous
+    qs, ks, vs, slots, segments, ctx_pages, refs = [], [], [], [], [], [], []
+    t = 0
+    scale = d**-0.5
+    for ctx, n in seqs:
+        length = ctx + n
+        pages = [order.pop() for _ in range(-(-length // page_size))]
+        full_k = torch.randn(length, kv_heads, d, generator=g)
+        full_v = torch.randn(length, kv_heads, d, generator=g)
+        pos = torch.arange(length)
+        seq_slots = torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
+        if ctx:  # the cached context is already in the pool
+            attn.write_kv(k_cache, v_cache, full_k[:ctx], full_v[:ctx], seq_slots[:ctx])
+        q = torch.randn(n, heads, d, generator=g)
+        qs.append(q)
+        ks.append(full_k[ctx:])
+        vs.append(full_v[ctx:])
+        slots.append(seq_slots[ctx:])
+        seg = attn.Segment(t, t + n, ctx)
+        if ctx:
+            seg.page_lo = len(ctx_pages)
+            ctx_pages.extend(pages)
+            seg.page_hi = len(ctx_pages)
+        segments.append(seg)
+        refs.append(reference(q, full_k, full_v, ctx, scale))
+        t += n
+    meta = attn.AttentionMetadata(torch.cat(slots), segments,
+                                  torch.tensor(ctx_pages) if ctx_pages else None)
+    return (torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale,
+            torch.cat(refs))
+
+
+MIXED = [(0, 9), (37, 1), (0, 1), (100, 13), (5, 1), (64, 64), (250, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_attention_matches_dense_reference(heads, kv_heads, page_size) -> None:
+    q, k, v, kc, vc, meta, scale, ref = build_case(heads, kv_heads, page_size, MIXED)
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    out = attn.paged_attention(q, k, v, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def padded(meta: attn.AttentionMetadata, seqs: list[tuple[int, int]], page_size: int,
+           ctx_pages: list[int]) -> attn.PaddedDecodes:
+    rows, tables, lengths = [], [], []
+    for seg, (ctx, n) in zip(meta.segments, seqs, strict=True):
+        if n == 1 and ctx > 0:
+            rows.append(seg.start)
+            tables.append(ctx_pages[seg.page_lo : seg.page_hi])
+            lengths.append(ctx + 1)
+    width = max(len(t) for t in tables)
+    return attn.PaddedDecodes(torch.tensor(rows),
+                              torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                              torch.tensor(lengths))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_padded_decode_path_matches_reference(page_size) -> None:
+    """The batched decode (the CUDA path) on the CPU: same result as per sequence."""
+    q, k, v, kc, vc, meta, scale, ref = build_case(4, 2, page_size, MIXED, seed=3)
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    assert meta.context_pages is not None
+    meta.padded_decodes = padded(meta, MIXED, page_size, meta.context_pages.tolist())
+    out = attn.paged_attention(q, k, v, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_fallback_matches_lse_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the CPU LSE kernel, prefill over a context falls back to one masked call."""
+    seqs = [(40, 17), (3, 30)]
+    q, k, v, kc, vc, meta, scale, ref = build_case(4, 2, 16, seqs, seed=5)
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    merged = attn.paged_attention(q, k, v, kc, vc, meta, scale)
+    monkeypatch.setattr(attn, "_LSE_OP", None)
+    masked = attn.paged_attention(q, k, v, kc, vc, meta, scale)
+    torch.testing.assert_close(merged.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- end to end: greedy tokens against transformers ---------------------------------------
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def mha_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model without GQA (as many KV heads as query heads)."""
+    shape = tiny._Shape(128, 2, 4, 4, 32, 256, None, 32768)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tiny.SIZES, "mha", shape)
+        return tiny.make_tiny_model(tmp_path_factory.mktemp("mha"), arch="qwen2", size="mha",
+                                    seed=2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("which", ["gqa", "mha"])
+def test_long_contexts_match_transformers(which, page_size, tiny_model_dirs, mha_model) -> None:
+    """Prompts of up to 700 tokens (700 pages at page size 1), chunked so that later chunks
+    read a long cached context, then decodes over it; a shared prefix hits the cache."""
+    path = tiny_model_dirs["qwen2"] if which == "gqa" else mha_model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(13)
+    vocab = hf.config.vocab_size
+    shared = [rng.randrange(3, vocab) for _ in range(300)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(700)],
+               shared + [rng.randrange(3, vocab) for _ in range(90)],
+               shared + [rng.randrange(3, vocab) for _ in range(7)],
+               [rng.randrange(3, vocab) for _ in range(5)]]
+    refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), dtype="float32", page_size=page_size, chunk_size=128,
+              check_invariants=True)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)  # from the prefix cache
+    assert [o.token_ids for o in again] == refs
+    assert sum(o.num_cached_tokens for o in again) > 0
+
+
+# ---- prepacked bf16 linears --------------------------------------------------------------
+
+needs_pack = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16),
+                                reason="this CPU's oneDNN has no bf16 kernels")
+
+
+@needs_pack
+@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bit_identical(rows: int, bias: bool) -> None:
+    lin = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(PackedLinear(lin)(x), lin(x))
+
+
+@needs_pack
+def test_bf16_engine_prepacks_and_keeps_its_tokens(tiny_model_dirs) -> None:
+    """The runner packs every linear in bf16 on the CPU; the tokens equal an unpacked run."""
+    path = tiny_model_dirs["qwen2"]
+    prompts = [[5, 9, 33, 4] * 10, [7] * 3]
+    llm = LLM(str(path), dtype="bfloat16")
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.lm_head, PackedLinear)
+    packed = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("hlserve.runner.torch_runner.can_prepack", lambda *a: False)
+        plain_llm = LLM(str(path), dtype="bfloat16")
+    assert not isinstance(plain_llm.engine.runner.model.lm_head, PackedLinear)
+    assert [o.token_ids for o in plain_llm.generate(prompts, GREEDY, use_tqdm=False)] == packed
