@@ -101,6 +101,13 @@ BAD_PARAMS = {
     "logprobs-float": (dict(logprobs=1.5), "logprobs"),
     "top_k-negative": (dict(top_k=-2), "top_k"),
     "top_k-float": (dict(top_k=2.5), "top_k"),
+    # the crash: beyond int64, torch.tensor() fails the whole batch's step
+    "top_k-beyond-int64": (dict(top_k=1180591620717411303424), "top_k"),
+    "top_k-beyond-int32": (dict(top_k=2**31), "top_k"),
+    "max_tokens-beyond-int32": (dict(max_tokens=2**31), "max_tokens"),
+    "temperature-beyond-float32": (dict(temperature=1e39), "temperature"),
+    "stop_token_ids-beyond-int32": (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    "stop_token_ids-beyond-int64": (dict(stop_token_ids=[2**70]), "stop_token_ids"),
     "min_tokens-above-max": (dict(max_tokens=4, min_tokens=5), "min_tokens"),
     "min_tokens-negative": (dict(min_tokens=-1), "min_tokens"),
     "seed-too-large": (dict(seed=2**64), "seed"),

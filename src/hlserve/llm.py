@@ -76,8 +76,8 @@ class LLM:
     ) -> RequestOutput:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # special-token text in the messages stays text (see Tokenizer.encode_chat)
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate([ids], sampling_params, use_tqdm=False)[0]
 
 

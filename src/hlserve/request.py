@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,17 +36,18 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Reject anything the runner could not sample with: a bad value caught here is one
-        rejected request; the same value reaching a batch would fail the whole step."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+        rejected request; the same value reaching a batch would fail the whole step. Integers
+        go into int64 tensors and floats into float32 ones, hence the upper bounds."""
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise InvalidRequestError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or a positive integer up to {INT32_MAX}, got {self.top_k!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
@@ -62,8 +62,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise InvalidRequestError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {t!r}")
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +73,8 @@ class SamplingParams:
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+INT32_MAX = 2**31 - 1  # counts and token ids: plenty, and safe in any index tensor
+FLOAT32_MAX = 3.4028234663852886e38  # larger floats are inf once in a float32 tensor
 
 
 def _is_int(x: object) -> bool:

@@ -4,11 +4,19 @@
 come from ``tokenizer_config.json`` and the EOS ids also from ``generation_config.json``, as
 transformers would read them. Text is streamed back through an incremental detokenizer that
 never emits half a UTF-8 character.
+
+A chat is rendered and tokenized by :meth:`Tokenizer.encode_chat`: the template's own special
+tokens become control tokens, while special-token text inside what the client sent (message
+content, tool definitions) is tokenized as plain text, so a user who writes ``<|im_end|>``
+cannot end their turn and speak as the system.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,12 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+# the arguments the renderer itself passes to a chat template: a request's
+# ``chat_template_kwargs`` must not replace them
+TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                           "bos_token", "eos_token"})
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, config: dict[str, Any], generation: dict[str, Any]) -> None:
         self._tok = tok
@@ -46,6 +60,13 @@ class Tokenizer:
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.globals["raise_exception"] = _raise
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.special_tokens = tuple(sorted(
+            (t.content for t in tok.get_added_tokens_decoder().values() if t.special),
+            key=len, reverse=True))  # longest first: the alternation must prefer it
+        self._special_re = (re.compile("|".join(map(re.escape, self.special_tokens)))
+                            if self.special_tokens else None)
+        self._plain: HFTokenizer | None = None  # a copy that never parses special tokens
+        self._plain_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
@@ -76,6 +97,58 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` tokenized with special-token text taken as ordinary text. A second
+        tokenizer object, not a flag flipped on the shared one: encodes run in worker
+        threads concurrently."""
+        if self._plain is None:
+            with self._plain_lock:
+                if self._plain is None:
+                    plain = HFTokenizer.from_str(self._tok.to_str())
+                    plain.encode_special_tokens = True
+                    self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def template_args(self) -> frozenset[str]:
+        """Names a request's ``chat_template_kwargs`` must not set: what the renderer passes
+        and the template environment's globals (``raise_exception``, ``range``, ...)."""
+        return TEMPLATE_ARGS | frozenset(self._env.globals)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize the result, the template's
+        special tokens as control tokens and any special-token text in the client's strings
+        (messages, ``tools``, ``kwargs``) as plain text.
+
+        Such text is swapped for a marker that holds a per-call nonce (ASCII, so ``tojson``
+        keeps it), the chat is rendered, and the rendered text is tokenized piece by piece:
+        between markers as usual, each marker's original text with :meth:`encode_plain`.
+        Content without special-token text is tokenized exactly as ``encode(render(...))``.
+        """
+        found: list[str] = []
+        nonce = secrets.token_hex(8)
+        marker = re.compile(rf"\[\[hlserve-{nonce}-(\d+)\]\]")
+        if self._special_re is not None:
+
+            def swap(m: re.Match[str]) -> str:
+                found.append(m.group(0))
+                return f"[[hlserve-{nonce}-{len(found) - 1}]]"
+
+            messages = _map_strings(messages, lambda t: self._special_re.sub(swap, t))
+            kwargs = _map_strings(kwargs, lambda t: self._special_re.sub(swap, t))
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        if not found:
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        pos = 0
+        for m in marker.finditer(text):
+            ids += self.encode(text[pos:m.start()], add_special_tokens=False)
+            ids += self.encode_plain(found[int(m.group(1))])
+            pos = m.end()
+        ids += self.encode(text[pos:], add_special_tokens=False)
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -95,6 +168,17 @@ class Tokenizer:
             )
         except (TemplateError, TypeError) as e:  # TypeError: messages is not a list of dicts
             raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
+
+
+def _map_strings(obj: Any, fn: Any) -> Any:
+    """``obj`` (JSON-like) with ``fn`` applied to every string value; keys are kept."""
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_strings(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_strings(v, fn) for v in obj]
+    return obj
 
 
 class IncrementalDetokenizer:

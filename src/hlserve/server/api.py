@@ -3,35 +3,49 @@
 FastAPI on uvicorn, one process. The engine runs in its own thread (see
 :mod:`hlserve.server.bridge`); handlers parse and validate a request, tokenize it, hand it to
 the engine thread and turn the engine's cumulative outputs into OpenAI responses or SSE
-chunks. Nothing here blocks the event loop: large prompts are tokenized in a worker thread.
+chunks. Nothing here blocks the event loop: large bodies are parsed, templated and tokenized
+in a worker thread.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``GET /version``.
+Handlers are module-level functions over one :class:`ServerState` (``app.state.hlserve``);
+:func:`add_routes` lists every endpoint: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET|HEAD /health``, ``GET|POST|HEAD /ping``, ``GET /metrics``, ``GET /version``,
+``GET /openapi.json`` and ``GET /docs``. Bodies are read by the handlers themselves (a size
+limit enforced while reading, strict JSON, OpenAI-shaped errors); the request models are
+still what ``/openapi.json`` documents.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hlserve.engine.engine import Engine
-from hlserve.errors import EngineDeadError, InvalidRequestError
+from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import RequestOutput, SamplingParams, TokenLogprobs
 from hlserve.server.args import REQUEST_CLASSES, ServerSettings
-from hlserve.server.auth import KeyTable
+from hlserve.server.auth import ApiKey, KeyTable
 from hlserve.server.bridge import EngineBridge, RequestFailed, RequestGroup, Submission
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -39,6 +53,7 @@ from hlserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    clip,
     context_length_error,
     error_body,
     invalid_request,
@@ -51,9 +66,12 @@ from hlserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hlserve.server")
 
-KEY_CLASS_SCOPE = "hlserve.key_class"
-OFFLOAD_CHARS = 16384  # longer texts are templated/tokenized in a worker thread
-RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+KEY_SCOPE = "hlserve.api_key"  # the ApiKey the auth middleware accepted
+OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized in a thread
+OPEN_PATHS = frozenset({"/health", "/ping", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest)
 
 
 def hlserve_version() -> str:
@@ -64,48 +82,52 @@ def hlserve_version() -> str:
 
 
 class ServerState:
+    """What every handler reads: the engine and its bridge, settings, keys, served names."""
+
     def __init__(self, engine: Engine, settings: ServerSettings, keys: KeyTable,
                  model_path: str) -> None:
         self.engine = engine
         self.settings = settings
         self.keys = keys
-        self.model_path = model_path
+        self.model_path = model_path  # for the start-up line only: never sent to clients
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.pool_tokens = engine.kv.num_pages * engine.kv.page_size
-        self.model_names = settings.served_model_names or (model_path,)
+        # reported: --served-model-name, else the directory's base name (not its path);
+        # accepted besides: the model argument as given, which clients may already use
+        self.model_names = settings.served_model_names or (served_name(model_path),)
+        self.accepted_names = frozenset(self.model_names) | (
+            frozenset() if settings.served_model_names else {model_path})
         self.model_name = self.model_names[0]
+        # with API keys, no tenant may declare itself ahead of the default priority
+        self.min_priority = settings.min_priority if settings.min_priority is not None \
+            else (0 if keys.enabled else None)
         self.metrics = ServerMetrics(self.model_name)
-        self.bridge = EngineBridge(engine, self.metrics)
+        self.bridge = EngineBridge(engine, self.metrics, BridgeLimits.from_settings(settings))
         self.clock = engine.clock
         self.created = now_s()
 
 
-# ---- helpers ------------------------------------------------------------------------------
+def served_name(model_path: str) -> str:
+    return Path(model_path).name or Path(model_path).resolve().name or "model"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(total, limit, at_least=True)
-        chunks.append(chunk)
-    return b"".join(chunks)
+def state_of(request: Request) -> ServerState:
+    return request.app.state.hlserve
 
 
-def _too_large(size: int, limit: int, at_least: bool = False) -> ApiError:
-    what = f"at least {size}" if at_least else str(size)
-    return ApiError(413, f"The request body is too large: {what} bytes; this server accepts at "
-                    f"most {limit} bytes", code="request_too_large")
+# ---- errors and their log line ----------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request body was read."""
 
 
 def engine_error(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, ServiceUnavailableError):
+        return unavailable(e)
     if isinstance(e, InvalidRequestError):
         return invalid_request(str(e))
     if isinstance(e, EngineDeadError):
@@ -113,6 +135,11 @@ def engine_error(e: BaseException) -> ApiError:
     if isinstance(e, RequestFailed):
         return ApiError(500, str(e), code="engine_error")
     return ApiError(500, f"Internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+def unavailable(e: ServiceUnavailableError) -> ApiError:
+    headers = None if e.retry_after_s is None else {"Retry-After": str(e.retry_after_s)}
+    return ApiError(503, str(e), code=e.code, headers=headers)
 
 
 def output_error(out: RequestOutput, retry_after_s: int = 1) -> ApiError | None:
@@ -126,11 +153,505 @@ def output_error(out: RequestOutput, retry_after_s: int = 1) -> ApiError | None:
     return None
 
 
+def log_error(method: str, path: str, status: int, code: str | None, param: str | None,
+              message: str) -> None:
+    """One line per refused request, at INFO (4xx) or WARNING (5xx): a client that only shows
+    "Bad Request" can be understood from the server log."""
+    where = f" param={param}" if param else ""
+    log.log(logging.INFO if status < 500 else logging.WARNING, "%s %s -> %d %s%s: %s", method,
+            path, status, code or "-", where, clip(message, 300).replace("\n", " "))
+
+
+def error_response(request: Request, e: ApiError) -> JSONResponse:
+    log_error(request.method, request.url.path, e.status, e.code, e.param, e.message)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+    return error_response(request, e)
+
+
+async def on_engine_exception(request: Request, e: Exception) -> JSONResponse:
+    """ServiceUnavailableError, InvalidRequestError, EngineDeadError raised anywhere."""
+    return error_response(request, engine_error(e))
+
+
+async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    return error_response(request, ApiError(
+        e.status_code, f"{e.detail}: {request.method} {request.url.path}", kind,
+        headers=dict(getattr(e, "headers", None) or {})))
+
+
+async def on_request_validation(request: Request, e: RequestValidationError) -> JSONResponse:
+    first = e.errors()[0] if e.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error_response(request, ApiError(400, f"Invalid request: {first.get('msg', e)}",
+                                            param=param, code="invalid_value"))
+
+
+async def on_client_gone(request: Request, e: ClientGone) -> Response:
+    log.info("%s %s: the client closed the connection before sending its whole body",
+             request.method, request.url.path)
+    return Response(status_code=499)
+
+
+async def on_internal(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse(error_body(f"Internal error: {type(e).__name__}: {clip(str(e))}",
+                                   "server_error", None, "internal_error"), status_code=500)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, on_api_error)
+    for kind in (ServiceUnavailableError, InvalidRequestError, EngineDeadError):
+        app.add_exception_handler(kind, on_engine_exception)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(ClientGone, on_client_gone)
+    app.add_exception_handler(Exception, on_internal)
+
+
+class AuthMiddleware:
+    """Bearer keys on every path but the open ones; the accepted key goes into the scope."""
+
+    def __init__(self, app: Any, keys: KeyTable, metrics: ServerMetrics,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys.enabled or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        token = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                text = value.decode("latin-1").strip()
+                if text[:7].lower() == "bearer ":
+                    token = text[7:].strip()
+                break
+        key = self.keys.find(token)
+        if key is None:
+            self.metrics.reject("unauthorized")
+            message = ("You didn't provide an API key: send it as 'Authorization: Bearer KEY'"
+                       if token is None else "Incorrect API key provided")
+            log_error(scope["method"], scope["path"], 401, "invalid_api_key", None, message)
+            response = JSONResponse(error_body(message, "invalid_request_error", None,
+                                               "invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        scope[KEY_SCOPE] = key
+        await self.app(scope, receive, send)
+
+
+# ---- plain endpoints ----------------------------------------------------------------------------
+
+
+async def health(request: Request) -> Response:
+    """200 while the engine serves; 503 with the bridge's reason (dead, draining, wedged)."""
+    st = state_of(request)
+    problem = st.bridge.health_problem()
+    if problem is None:
+        return Response(status_code=200)
+    code = "engine_dead" if st.bridge.dead_reason is not None else "unavailable"
+    return JSONResponse(error_body(f"The engine is not serving: {problem}", "server_error", None,
+                                   code), status_code=503)
+
+
+async def version(request: Request) -> dict[str, str]:
+    return {"version": hlserve_version()}
+
+
+async def metrics(request: Request) -> Response:
+    return Response(state_of(request).metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def model_card(st: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": st.created, "owned_by": "hlserve",
+            "root": st.model_name, "parent": None, "max_model_len": st.max_model_len}
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    return {"object": "list", "data": [model_card(st, n) for n in st.model_names]}
+
+
+async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+    st = state_of(request)
+    check_model(st, model_id)
+    return model_card(st, model_id)
+
+
+def check_model(st: ServerState, name: str | None) -> None:
+    if name is not None and name not in st.accepted_names:
+        raise ApiError(404, f"The model `{clip(name)}` does not exist.", param="model",
+                       code="model_not_found")
+
+
+# ---- reading a request ------------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(total, limit, at_least=True)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> ApiError:
+    what = f"at least {size}" if at_least else str(size)
+    return ApiError(413, f"The request body is too large: {what} bytes; this server accepts at "
+                    f"most {limit} bytes", code="request_too_large")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the engine needs it: class, priority, prefix-cache salt."""
+
+    request_class: str | None  # None: the engine's default
+    priority: int
+    cache_salt: str | None  # None: the shared namespace
+
+
+@dataclass
+class Inbound:
+    req: Any  # CompletionRequest | ChatCompletionRequest
+    caller: Caller
+    arrival: float  # the engine clock's time when the request arrived
+    offload: bool  # a large body: template and tokenize in a worker thread
+
+
+async def read_request(request: Request, st: ServerState,
+                       model: type[GenerationRequest]) -> Inbound:
+    arrival = st.clock()
+    body = await read_body(request, st.settings.max_request_body_bytes)
+    offload = len(body) > OFFLOAD_CHARS
+    try:
+        req = await asyncio.to_thread(model.model_validate_json, body) if offload \
+            else model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    check_model(st, req.model)
+    req.check_supported()
+    return Inbound(req, caller_of(request, st, req), arrival, offload)
+
+
+def caller_of(request: Request, st: ServerState, req: Any) -> Caller:
+    key: ApiKey | None = request.scope.get(KEY_SCOPE)
+    return Caller(request_class(request, req.request_class, key),
+                  bounded_priority(st, req.priority), cache_salt(key, req.cache_salt))
+
+
+def request_class(request: Request, asked: str | None, key: ApiKey | None) -> str | None:
+    """Body field, else header, else the key's class; None: the engine's default. A key
+    mapped to ``agent`` cannot claim that a person is waiting (403)."""
+    header = request.headers.get("x-request-class")
+    if header is not None:
+        header = header.strip().lower()
+        if header not in REQUEST_CLASSES:
+            raise ApiError(400, f"X-Request-Class must be one of {', '.join(REQUEST_CLASSES)}; "
+                           f"got {clip(header)!r}", param="X-Request-Class", code="invalid_value")
+    claimed = asked or header
+    key_class = key.request_class if key is not None else None
+    if key_class == "agent" and claimed == "interactive":
+        raise ApiError(403, "This API key is for agent traffic: its requests cannot claim the "
+                       "interactive class", param="request_class" if asked else "X-Request-Class",
+                       code="permission_denied")
+    return claimed or key_class
+
+
+def bounded_priority(st: ServerState, priority: int) -> int:
+    if st.min_priority is not None and priority < st.min_priority:
+        raise ApiError(400, f"priority must be at least {st.min_priority} on this server (lower "
+                       f"is served first), got {priority}", param="priority",
+                       code="invalid_value")
+    return priority
+
+
+def cache_salt(key: ApiKey | None, salt: str | None) -> str | None:
+    """The request's prefix-cache namespace: its key's and its own ``cache_salt``'s, hashed
+    (fixed size in the tree, and no key material in it). No key and no salt: shared."""
+    if key is None and salt is None:
+        return None
+    material = f"{key.id if key is not None else ''}\0{salt or ''}"
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+# ---- from a request to the engine -------------------------------------------------------------
+
+
+def check_batch(st: ServerState, prompts: list[Any]) -> None:
+    """Caps that a request can never fit: a 400, not a retryable 503."""
+    cap = st.settings.max_prompts_per_request
+    if len(prompts) > cap:
+        raise ApiError(400, f"A request may carry at most {cap} prompts; got {len(prompts)}",
+                       param="prompt", code="invalid_value")
+    queue = st.settings.max_queued_requests
+    if queue is not None and len(prompts) > queue:
+        raise ApiError(400, f"A request of {len(prompts)} prompts can never fit this server's "
+                       f"queue of {queue} requests", param="prompt", code="invalid_value")
+
+
+def no_tokenizer(what: str) -> ApiError:
+    return ApiError(400, f"This model has no tokenizer: {what}", param="prompt",
+                    code="invalid_value")
+
+
+async def encode_prompts(st: ServerState, prompts: list[str | list[int]],
+                         offload: bool) -> list[list[int]]:
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        return prompts  # type: ignore[return-value]
+    tok = st.tokenizer
+    if tok is None:
+        raise no_tokenizer("send the prompt as token ids")
+
+    def run() -> list[list[int]]:
+        return [p if isinstance(p, list) else tok.encode(p, True) for p in prompts]
+
+    if offload or sum(map(len, texts)) > OFFLOAD_CHARS:
+        return await asyncio.to_thread(run)
+    return run()
+
+
+async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool) -> list[int]:
+    tok = st.tokenizer
+    if tok is None:
+        raise ApiError(400, "This model has no tokenizer, so no chat template: use "
+                       "/v1/completions with token ids", code="invalid_value")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if clash := tok.template_args & kwargs.keys():
+        raise ApiError(400, f"chat_template_kwargs cannot set {sorted(clash)}: the server "
+                       "passes them to the template itself", param="chat_template_kwargs",
+                       code="invalid_value")
+    if req.tools:
+        kwargs["tools"] = req.tools
+    messages = req.template_messages()
+    run = partial(tok.encode_chat, messages, req.add_generation_prompt, **kwargs)
+    try:
+        return await asyncio.to_thread(run) if offload else run()
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+
+
+def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
+    requested = req.requested_max_tokens
+    if requested is None:
+        if n_prompt >= st.max_model_len:
+            raise context_length_error(st.max_model_len, n_prompt, None)
+        # the rest of the context, but no more than the KV pool could ever hold
+        max_tokens = max(1, min(st.max_model_len, st.pool_tokens) - n_prompt)
+    else:
+        if n_prompt + requested > st.max_model_len:
+            raise context_length_error(st.max_model_len, n_prompt, requested)
+        max_tokens = requested
+    return req.sampling_params(max_tokens)
+
+
+async def submit(st: ServerState, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams], inbound: Inbound) -> RequestGroup:
+    # the bridge refuses (draining, engine dead, queue caps: ServiceUnavailableError,
+    # EngineDeadError, InvalidRequestError) and coalesces what a slow reader has not read
+    sink = EventSink()
+    who = inbound.caller
+    subs = [Submission(f"{request_id}-{i}", ids, p, who.request_class, who.priority,
+                       inbound.arrival, i, sink, cache_salt=who.cache_salt)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
+    group = RequestGroup(st.bridge, subs, sink)
+    try:
+        st.bridge.submit(subs)
+        await group.wait_added()
+    except BaseException as e:
+        group.abort_unfinished()
+        if isinstance(e, Exception):
+            raise engine_error(e) from None
+        raise
+    return group
+
+
 async def wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def collect(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
+    """Every final output, in prompt order; None if the client went away first."""
+
+    async def gather() -> list[RequestOutput]:
+        latest: dict[int, RequestOutput] = {}
+        async for batch in group.events():
+            for index, item in batch:
+                if isinstance(item, BaseException):
+                    raise engine_error(item)
+                if (err := output_error(item)) is not None:
+                    raise err
+                latest[index] = item
+        return [latest[i] for i in sorted(latest)]
+
+    task = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task in done else None
+    finally:
+        watch.cancel()
+        task.cancel()
+        group.abort_unfinished()
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def common_choice(out: RequestOutput, return_ids: bool) -> dict[str, Any]:
+    extra: dict[str, Any] = {"stop_reason": out.stop_reason}
+    if return_ids:
+        extra["token_ids"] = list(out.token_ids)
+        extra["prompt_token_ids"] = list(out.prompt_token_ids)
+    return extra
+
+
+def total_usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    return usage(sum(len(o.prompt_token_ids) for o in outs),
+                 sum(len(o.token_ids) for o in outs),
+                 sum(o.num_cached_tokens for o in outs))
+
+
+def completion_body(st: ServerState, rid: str, model: str, req: CompletionRequest,
+                    outs: list[RequestOutput]) -> dict[str, Any]:
+    choices = [{"index": i, "text": o.text,
+                "logprobs": None if o.logprobs is None else
+                completion_logprobs(st.tokenizer, o.token_ids, o.logprobs),
+                "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
+               for i, o in enumerate(outs)]
+    return {"id": rid, "object": "text_completion", "created": now_s(), "model": model,
+            "choices": choices, "usage": total_usage(outs)}
+
+
+def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
+              outs: list[RequestOutput]) -> dict[str, Any]:
+    o = outs[0]
+    choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
+              "logprobs": None if o.logprobs is None else
+              chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
+              "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
+    return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
+            "choices": [choice], "usage": total_usage(outs)}
+
+
+async def respond(request: Request, st: ServerState, group: RequestGroup, rid: str,
+                  inbound: Inbound, chunks: type[_Chunks],
+                  body: Callable[..., dict[str, Any]]) -> Response:
+    """The stream, or the whole answer once every prompt is done."""
+    req = inbound.req
+    model = req.model or st.model_name
+    if req.stream:
+        fmt = chunks(rid, model, req.return_token_ids, st.tokenizer)
+        return EngineStreamResponse(stream(group, fmt, req.stream_options),
+                                    group.abort_unfinished)
+    outs = await collect(request, group)
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(body(st, rid, model, req, outs))
+
+
+# ---- generation endpoints -----------------------------------------------------------------------
+
+
+async def completions(request: Request) -> Response:
+    st = state_of(request)
+    inbound = await read_request(request, st, CompletionRequest)
+    prompts = inbound.req.prompts()
+    check_batch(st, prompts)
+    ids = await encode_prompts(st, prompts, inbound.offload)
+    params = [sampling(st, inbound.req, len(p)) for p in ids]
+    rid = new_id("cmpl")
+    group = await submit(st, rid, ids, params, inbound)
+    return await respond(request, st, group, rid, inbound, _CompletionChunks, completion_body)
+
+
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    inbound = await read_request(request, st, ChatCompletionRequest)
+    ids = await encode_chat(st, inbound.req, inbound.offload)
+    params = sampling(st, inbound.req, len(ids))
+    rid = new_id("chatcmpl")
+    group = await submit(st, rid, [ids], [params], inbound)
+    return await respond(request, st, group, rid, inbound, _ChatChunks, chat_body)
+
+
+# ---- the app ----------------------------------------------------------------------------------
+
+
+def json_body(model: type) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model`` as the JSON body (the handler reads it itself)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def add_routes(app: FastAPI) -> None:
+    for path, methods in (("/health", ("GET", "HEAD")), ("/ping", ("GET", "POST", "HEAD"))):
+        for method in methods:  # one route each: OpenAPI wants one operation id per method
+            app.add_api_route(path, health, methods=[method], name=f"{path[1:]}_{method.lower()}",
+                              include_in_schema=method != "HEAD")
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"],
+                      openapi_extra=json_body(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                      openapi_extra=json_body(ChatCompletionRequest))
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes, plus the request models the bodies refer to."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                             description="OpenAI-compatible API of hlserve (docs/server.md)")
+        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    st: ServerState = app.state.hlserve
+    st.bridge.start(asyncio.get_running_loop())
+    yield
+    await asyncio.to_thread(st.bridge.stop)
+
+
+def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None = None,
+               model_path: str | None = None) -> FastAPI:
+    st = ServerState(engine, settings, keys or KeyTable({}), model_path or engine.config.model)
+    app = FastAPI(title="hlserve", version=hlserve_version(), lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.state.hlserve = st
+    app.add_middleware(AuthMiddleware, keys=st.keys, metrics=st.metrics)
+    add_exception_handlers(app)
+    add_routes(app)
+    app.openapi = partial(openapi_schema, app)  # type: ignore[method-assign]
+    return app
+
+
+# ---- streaming ------------------------------------------------------------------------------
 
 
 def sse(obj: dict[str, Any]) -> str:
@@ -154,300 +675,6 @@ class EngineStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-class AuthMiddleware:
-    """Bearer keys on every path but the open ones; the key's class goes into the scope."""
-
-    def __init__(self, app: Any, keys: KeyTable, metrics: ServerMetrics,
-                 open_paths: frozenset[str] = frozenset({"/health"})) -> None:
-        self.app = app
-        self.keys = keys
-        self.metrics = metrics
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.keys.enabled or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        token = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                text = value.decode("latin-1").strip()
-                if text[:7].lower() == "bearer ":
-                    token = text[7:].strip()
-                break
-        ok, cls = self.keys.lookup(token)
-        if not ok:
-            self.metrics.reject("unauthorized")
-            message = ("You didn't provide an API key: send it as 'Authorization: Bearer KEY'"
-                       if token is None else "Incorrect API key provided")
-            response = JSONResponse(error_body(message, "invalid_request_error", None,
-                                               "invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            await response(scope, receive, send)
-            return
-        scope[KEY_CLASS_SCOPE] = cls
-        await self.app(scope, receive, send)
-
-
-# ---- the app ------------------------------------------------------------------------------
-
-
-def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None = None,
-               model_path: str | None = None) -> FastAPI:
-    st = ServerState(engine, settings, keys or KeyTable({}), model_path or engine.config.model)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        st.bridge.start(asyncio.get_running_loop())
-        yield
-        await asyncio.to_thread(st.bridge.stop)
-
-    app = FastAPI(title="hlserve", version=hlserve_version(), lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.hlserve = st
-    app.add_middleware(AuthMiddleware, keys=st.keys, metrics=st.metrics)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        message = f"{e.detail}: {request.method} {request.url.path}"
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(error_body(message, kind), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"Internal error: {type(e).__name__}: {e}",
-                                       "server_error", None, "internal_error"), status_code=500)
-
-    # ---- plain endpoints ---------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health() -> Response:
-        if st.bridge.alive:
-            return Response(status_code=200)
-        return JSONResponse(error_body(f"The engine is not running: {st.bridge.dead_reason}",
-                                       "server_error", None, "engine_dead"), status_code=503)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": hlserve_version()}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(st.metrics.exposition(), media_type=CONTENT_TYPE)
-
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": st.created, "owned_by": "hlserve",
-                "root": st.model_path, "parent": None, "max_model_len": st.max_model_len}
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in st.model_names]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return model_card(model_id)
-
-    # ---- generation ------------------------------------------------------------------------
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in st.model_names:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model",
-                           code="model_not_found")
-
-    async def parse(request: Request, model: type[BaseModel]) -> Any:
-        body = await read_body(request, st.settings.max_request_body_bytes)
-        try:
-            req = model.model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        check_model(req.model)
-        req.check_supported()
-        return req
-
-    def request_class(request: Request, asked: str | None) -> str | None:
-        """Body field, else header, else the key's class; None: the engine's default. A key
-        mapped to ``agent`` caps the class at ``agent``."""
-        header = request.headers.get("x-request-class")
-        if header is not None:
-            header = header.strip().lower()
-            if header not in REQUEST_CLASSES:
-                raise ApiError(400, f"X-Request-Class must be one of {', '.join(REQUEST_CLASSES)}; "
-                               f"got {header!r}", param="X-Request-Class", code="invalid_value")
-        key_class = request.scope.get(KEY_CLASS_SCOPE)
-        if key_class == "agent":  # an agent key cannot claim a person is waiting
-            return "agent"
-        return asked or header or key_class
-
-    async def encode(text: str, add_special_tokens: bool) -> list[int]:
-        if st.tokenizer is None:
-            raise ApiError(400, "This model has no tokenizer: send the prompt as token ids",
-                           param="prompt", code="invalid_value")
-        if len(text) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(st.tokenizer.encode, text, add_special_tokens)
-        return st.tokenizer.encode(text, add_special_tokens)
-
-    def sampling(req: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> SamplingParams:
-        requested = req.requested_max_tokens
-        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else \
-            "max_tokens"
-        if requested is not None and requested < 1:
-            raise ApiError(400, f"{name} must be at least 1, got {requested}", param=name,
-                           code="invalid_value")
-        if requested is None:
-            if n_prompt >= st.max_model_len:
-                raise context_length_error(st.max_model_len, n_prompt, None)
-            # the rest of the context, but no more than the KV pool could ever hold
-            max_tokens = max(1, min(st.max_model_len, st.pool_tokens) - n_prompt)
-        else:
-            if n_prompt + requested > st.max_model_len:
-                raise context_length_error(st.max_model_len, n_prompt, requested)
-            max_tokens = requested
-        return req.sampling_params(max_tokens)
-
-    async def submit(request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                     rclass: str | None, priority: int, arrival: float) -> RequestGroup:
-        if not st.bridge.alive:
-            raise ApiError(503, f"The engine is not running: {st.bridge.dead_reason}",
-                           code="engine_dead")
-        cap = st.settings.max_queued_requests
-        if cap is not None and (queued := st.bridge.num_queued()) + len(prompts) > cap:
-            st.metrics.reject("queue_full")
-            raise ApiError(503, f"The server is overloaded: {queued} requests are waiting "
-                           f"(limit {cap}); retry later", code="queue_full",
-                           headers={"Retry-After": str(st.settings.retry_after_s)})
-        sink: asyncio.Queue = asyncio.Queue()
-        subs = [Submission(f"{request_id}-{i}", ids, p, rclass, priority, arrival, i, sink)
-                for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
-        group = RequestGroup(st.bridge, subs, sink)
-        try:
-            st.bridge.submit(subs)
-            await group.wait_added()
-        except BaseException as e:
-            group.abort_unfinished()
-            if isinstance(e, Exception):
-                raise engine_error(e) from None
-            raise
-        return group
-
-    async def collect(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
-        """Every final output, in prompt order; None if the client went away first."""
-
-        async def gather() -> list[RequestOutput]:
-            latest: dict[int, RequestOutput] = {}
-            async for batch in group.events():
-                for index, item in batch:
-                    if isinstance(item, BaseException):
-                        raise engine_error(item)
-                    if (err := output_error(item)) is not None:
-                        raise err
-                    latest[index] = item
-            return [latest[i] for i in sorted(latest)]
-
-        task = asyncio.ensure_future(gather())
-        watch = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            return task.result() if task in done else None
-        finally:
-            watch.cancel()
-            task.cancel()
-            group.abort_unfinished()
-
-    def common_choice(out: RequestOutput, return_ids: bool) -> dict[str, Any]:
-        extra: dict[str, Any] = {"stop_reason": out.stop_reason}
-        if return_ids:
-            extra["token_ids"] = list(out.token_ids)
-            extra["prompt_token_ids"] = list(out.prompt_token_ids)
-        return extra
-
-    def total_usage(outs: list[RequestOutput]) -> dict[str, Any]:
-        return usage(sum(len(o.prompt_token_ids) for o in outs),
-                     sum(len(o.token_ids) for o in outs),
-                     sum(o.num_cached_tokens for o in outs))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = st.clock()
-        req: CompletionRequest = await parse(request, CompletionRequest)
-        rclass = request_class(request, req.request_class)
-        prompts = [p if isinstance(p, list) else await encode(p, True) for p in req.prompts()]
-        params = [sampling(req, len(ids)) for ids in prompts]
-        rid = new_id("cmpl")
-        group = await submit(rid, prompts, params, rclass, req.priority, arrival)
-        model = req.model or st.model_name
-        if req.stream:
-            fmt = _CompletionChunks(rid, model, req.return_token_ids, st.tokenizer)
-            return EngineStreamResponse(
-                stream(group, fmt, req.stream_options), group.abort_unfinished)
-        outs = await collect(request, group)
-        if outs is None:
-            return Response(status_code=499)
-        choices = [{"index": i, "text": o.text,
-                    "logprobs": None if o.logprobs is None else
-                    completion_logprobs(st.tokenizer, o.token_ids, o.logprobs),
-                    "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
-                   for i, o in enumerate(outs)]
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now_s(),
-                             "model": model, "choices": choices, "usage": total_usage(outs)})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        arrival = st.clock()
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        rclass = request_class(request, req.request_class)
-        if st.tokenizer is None:
-            raise ApiError(400, "This model has no tokenizer, so no chat template: use "
-                           "/v1/completions with token ids", code="invalid_value")
-        kwargs = dict(req.chat_template_kwargs or {})
-        if clash := RESERVED_TEMPLATE_KWARGS & kwargs.keys():
-            raise ApiError(400, f"chat_template_kwargs cannot set {sorted(clash)}",
-                           param="chat_template_kwargs", code="invalid_value")
-        if req.tools:
-            kwargs["tools"] = req.tools
-        messages = req.template_messages()
-        render = st.tokenizer.apply_chat_template
-        try:
-            if sum(len(m.get("content") or "") for m in messages) > OFFLOAD_CHARS:
-                text = await asyncio.to_thread(render, messages, req.add_generation_prompt,
-                                               **kwargs)
-            else:
-                text = render(messages, req.add_generation_prompt, **kwargs)
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-        ids = await encode(text, False)  # the template wrote the special tokens
-        params = sampling(req, len(ids))
-        rid = new_id("chatcmpl")
-        group = await submit(rid, [ids], [params], rclass, req.priority, arrival)
-        model = req.model or st.model_name
-        if req.stream:
-            fmt = _ChatChunks(rid, model, req.return_token_ids, st.tokenizer)
-            return EngineStreamResponse(
-                stream(group, fmt, req.stream_options), group.abort_unfinished)
-        outs = await collect(request, group)
-        if outs is None:
-            return Response(status_code=499)
-        o = outs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
-                  "logprobs": None if o.logprobs is None else
-                  chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
-                  "finish_reason": o.finish_reason,
-                  **common_choice(o, req.return_token_ids)}
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now_s(),
-                             "model": model, "choices": [choice], "usage": total_usage(outs)})
-
-    return app
-
-
-# ---- streaming ------------------------------------------------------------------------------
 
 
 class _Chunks:
@@ -584,6 +811,7 @@ def serve(model: str, engine_options: dict[str, Any], settings: ServerSettings) 
     from hlserve.llm import build_engine
 
     keys = KeyTable.load(settings.api_key, settings.api_keys_file)  # fail before loading
+    configure_logging(settings.log_level)
     engine = build_engine(model, **engine_options)
     app = create_app(engine, settings, keys, model)
     st: ServerState = app.state.hlserve
@@ -595,8 +823,15 @@ def serve(model: str, engine_options: dict[str, Any], settings: ServerSettings) 
           f"{settings.max_queued_requests or 'none'}", file=sys.stderr, flush=True)
     if caps := getattr(engine, "caps_report", None):
         print(caps, file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, access_log=settings.access_log,
-                            timeout_graceful_shutdown=5, backlog=4096)
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()
+    # SIGTERM drains (exit 0); a dead engine exits 1 so that a supervisor restarts us
+    if code := run_server(app, st.bridge, settings):
+        sys.exit(code)
+
+
+def configure_logging(level: str) -> None:
+    """The server's own lines (refused requests, engine faults) at ``--uvicorn-log-level``,
+    whatever the root logger's level (the CLI sets WARNING unless -v)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    name = {"trace": "DEBUG"}.get(level, level.upper())
+    log.setLevel(getattr(logging, name, logging.INFO))

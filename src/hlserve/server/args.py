@@ -13,17 +13,37 @@ from pathlib import Path
 
 REQUEST_CLASSES = ("interactive", "agent")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_PROMPTS = 256
+# limits of hlserve serve (docs/server.md, "Limits")
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens waiting: ~150 MB of token lists at most
+DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 60.0  # vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_names: tuple[str, ...] = ()  # the first one is reported; all are accepted
+    # the first one is reported; all are accepted. None given: the model directory's base
+    # name is reported, and the model argument as given is accepted too
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     api_keys_file: Path | None = None
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
+    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
+    request_timeout_s: float | None = None  # arrival to finish; None: no deadline
+    engine_iteration_timeout_s: float = DEFAULT_ENGINE_ITERATION_TIMEOUT_S
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    request_read_timeout_s: float | None = DEFAULT_REQUEST_READ_TIMEOUT_S
+    timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    # the lowest (most urgent) priority a request may declare; None: any int32, or 0 once
+    # API keys are configured (a tenant cannot put itself ahead of the others)
+    min_priority: int | None = None
     retry_after_s: int = 1
     log_level: str = "info"
     access_log: bool = False
@@ -46,18 +66,49 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) the API answers to; the first is reported "
-                        "(default: the model argument as given)")
+                        "(default: the model directory's base name)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     g.add_argument("--api-keys", dest="api_keys_file", type=Path, default=None, metavar="FILE",
                    help="more accepted keys, each optionally mapped to a request class: a JSON "
                         'object {"KEY": "agent" | "interactive" | null} or lines "KEY [CLASS]" '
                         "(see docs/server.md)")
-    g.add_argument("--max-queued-requests", type=_positive(int), default=None,
+    g.add_argument("--max-queued-requests", type=_positive(int),
+                   default=DEFAULT_MAX_QUEUED_REQUESTS,
                    help="answer 503 with Retry-After once this many requests wait for the "
-                        "engine (default: unlimited)")
+                        f"engine (default: {DEFAULT_MAX_QUEUED_REQUESTS})")
+    g.add_argument("--max-queued-tokens", type=_positive(int), default=DEFAULT_MAX_QUEUED_TOKENS,
+                   help="answer 503 with Retry-After once the waiting requests' prompts hold "
+                        f"this many tokens (default: {DEFAULT_MAX_QUEUED_TOKENS})")
+    g.add_argument("--request-timeout", dest="request_timeout_s", type=_positive(float),
+                   default=None, help="end a request that has not finished this many seconds "
+                                      "after it arrived (default: no deadline)")
+    g.add_argument("--engine-iteration-timeout", dest="engine_iteration_timeout_s",
+                   type=_positive(float), default=DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
+                   help="/health reports the engine wedged when no step completes in this many "
+                        f"seconds while requests are in flight (default: "
+                        f"{DEFAULT_ENGINE_ITERATION_TIMEOUT_S:g})")
+    g.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                   default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, let requests in flight finish for up to this many seconds, "
+                        f"then end them (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    g.add_argument("--request-read-timeout", dest="request_read_timeout_s",
+                   type=_positive(float), default=DEFAULT_REQUEST_READ_TIMEOUT_S,
+                   help="close a connection that has not sent a whole request (headers and "
+                        f"body) within this many seconds (default: "
+                        f"{DEFAULT_REQUEST_READ_TIMEOUT_S:g})")
+    g.add_argument("--timeout-keep-alive", dest="timeout_keep_alive_s", type=_positive(float),
+                   default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                   help="close an idle keep-alive connection after this many seconds "
+                        f"(default: {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g})")
     g.add_argument("--max-request-body-bytes", type=_positive(int), default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    g.add_argument("--max-prompts-per-request", type=_positive(int), default=DEFAULT_MAX_PROMPTS,
+                   help="a completions request with more prompts gets 400 "
+                        f"(default: {DEFAULT_MAX_PROMPTS})")
+    g.add_argument("--min-priority", type=int, default=None,
+                   help="the lowest (most urgent) 'priority' a request may declare; lower gets "
+                        "400 (default: any, or 0 when API keys are configured)")
     g.add_argument("--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (default: info)")
@@ -65,7 +116,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
-    names = tuple(args.served_model_name or (model,))
+    names = tuple(args.served_model_name or ())
     return ServerSettings(
         host=args.host,
         port=args.port,
@@ -73,7 +124,15 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         api_key=args.api_key,
         api_keys_file=args.api_keys_file,
         max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout_s=args.request_timeout_s,
+        engine_iteration_timeout_s=args.engine_iteration_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        request_read_timeout_s=args.request_read_timeout_s,
+        timeout_keep_alive_s=args.timeout_keep_alive_s,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        min_priority=args.min_priority,
         log_level=args.log_level,
         access_log=args.access_log,
     )

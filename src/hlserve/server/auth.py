@@ -14,6 +14,10 @@ or text, one key per line, an optional class after whitespace, ``#`` starting a 
 Keys are compared in constant time: the presented key's SHA-256 is compared with every
 accepted key's with :func:`hmac.compare_digest`, without stopping at a match, so neither the
 content of a key nor its position in the table shows in the response time.
+
+A key's identity (:attr:`ApiKey.id`, a prefix of its SHA-256, never the key) names its
+tenant: the server salts the prefix cache with it, so one key's prompts are never a cache
+hit for another.
 """
 
 from __future__ import annotations
@@ -21,9 +25,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from hlserve.server.args import REQUEST_CLASSES
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """An accepted key as the server sees it: who (a digest, not the key) and its class."""
+
+    id: str
+    request_class: str | None
 
 
 class KeyTable:
@@ -43,8 +56,8 @@ class KeyTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, presented: str | None) -> tuple[bool, str | None]:
-        """(accepted, class of the key or None)."""
+    def find(self, presented: str | None) -> ApiKey | None:
+        """The accepted key ``presented`` is, or None."""
         digest = _digest(presented or "")
         found, found_cls = False, None
         for d, cls in self._entries:  # no early exit: constant time in the table too
@@ -52,7 +65,14 @@ class KeyTable:
             found |= match
             if match:
                 found_cls = cls
-        return (found and presented is not None), found_cls
+        if not found or presented is None:
+            return None
+        return ApiKey(digest.hex()[:32], found_cls)
+
+    def lookup(self, presented: str | None) -> tuple[bool, str | None]:
+        """(accepted, class of the key or None)."""
+        key = self.find(presented)
+        return (key is not None), (key.request_class if key else None)
 
     @classmethod
     def load(cls, api_key: str | None, path: Path | None) -> KeyTable:

@@ -5,18 +5,49 @@ rejected, as OpenAI does ("Unrecognized request argument supplied"): a typo in a
 parameter should not silently change what is generated. Fields of the OpenAI API that this
 server cannot honour are accepted only at their neutral value (``n=1``, no logprobs, no
 penalties), so a client that asks for them learns that it did not get them.
+
+Every number is range-checked here, against what the engine can represent as well as what
+it means: integers that reach a tensor or a C call fit int32 (seeds: 64 bits), floats are
+finite and fit float32, lists and strings that cost work per token are capped. The bounds
+are part of the models, so ``/openapi.json`` documents them. A 400 names the field in
+``param`` and quotes at most a short prefix of what was sent.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from hlserve.errors import InvalidRequestError
-from hlserve.request import MAX_LOGPROBS, SamplingParams
+from hlserve.request import FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, SamplingParams
+
+# ---- limits -----------------------------------------------------------------------------------
+
+INT32_MIN = -(2**31)
+MAX_STOP_STRINGS = 32  # each is checked against the text after every token
+MAX_STOP_CHARS = 512  # a stop string's length is also how much text is held back
+MAX_STOP_TOKEN_IDS = 128
+MAX_CACHE_SALT_CHARS = 256
+MAX_QUOTED_CHARS = 200  # of an input quoted in an error message
+MAX_ERROR_CHARS = 2000  # of an error message, whatever it quotes
+
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Float32 = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
+
+def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how long it was: an error about a
+    multi-megabyte input must not send it back."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 # ---- errors ---------------------------------------------------------------------------------
 
@@ -33,11 +64,12 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = clip(message, MAX_ERROR_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_ or ("server_error" if status >= 500 else "invalid_request_error")
-        self.param = param
+        self.param = None if param is None else clip(param)
         self.code = code
         self.headers = headers or {}
 
@@ -51,44 +83,81 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def validation_error(e: ValidationError) -> ApiError:
     """The first problem pydantic found, as an OpenAI 400."""
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    err = errors[0]
     kind, loc = err["type"], err["loc"]
     if kind == "json_invalid":
         return ApiError(400, f"The request body is not valid JSON: {err['msg']}", code="invalid_json")
     if not loc:
         return ApiError(400, "The request body must be a JSON object", code="invalid_json")
-    # union members show up as loc parts ('stop', 'list[str]', 0): keep the real path only
-    parts = [str(p) for p in loc if isinstance(p, int) or not _looks_like_type(p)]
-    param = ".".join(parts) if parts else str(loc[0])
     if kind == "extra_forbidden":
+        param = _param(loc)
         return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
                         code="unknown_parameter")
     if kind == "missing":
+        param = _param(loc)
         return ApiError(400, f"Missing required parameter: '{param}'", param=param,
                         code="missing_required_parameter")
-    same_field = [x for x in e.errors(include_url=False) if x["loc"][:1] == loc[:1]]
+    same_field = [x for x in errors if x["loc"][:1] == loc[:1]]
     if len(same_field) > 1 and len(loc) > 1 and _looks_like_type(loc[1]):
-        # a union: every alternative failed; name them rather than the first one's complaint
-        kinds = sorted({str(x["loc"][1]) for x in same_field if len(x["loc"]) > 1})
-        return ApiError(400, f"Invalid type for '{loc[0]}': expected one of {', '.join(kinds)}",
-                        param=str(loc[0]), code="invalid_type")
+        # a union: every alternative failed. One of the right type that only disliked the
+        # value says what is wrong; else name the types that would do
+        by_value = [x for x in same_field if x["type"] in _VALUE_MESSAGES]
+        if not by_value:
+            kinds = sorted({str(x["loc"][1]) for x in same_field if len(x["loc"]) > 1})
+            return ApiError(400, f"Invalid type for '{loc[0]}': expected one of "
+                            f"{', '.join(kinds)}", param=str(loc[0]), code="invalid_type")
+        err, kind = by_value[0], by_value[0]["type"]
+    param = _param(err["loc"])
     got = err.get("input")
-    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    shown = _shown(got)
+    if kind in _VALUE_MESSAGES:
+        ctx = dict(err.get("ctx") or {})
+        ctx.setdefault("length", len(got) if isinstance(got, (str, list)) else None)
+        return ApiError(400, f"{param} {_VALUE_MESSAGES[kind].format(**ctx)}, got {shown}",
+                        param=param, code="invalid_value")
     code = "invalid_value" if kind.startswith("literal") else "invalid_type"
     return ApiError(400, f"Invalid value for '{param}': {err['msg']} (got {shown})", param=param,
                     code=code)
 
 
+# pydantic's range and size errors, worded as "<param> must ..., got <value>"
+_VALUE_MESSAGES = {
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "finite_number": "must be a finite number",
+    "too_long": "may have at most {max_length} items (it has {actual_length})",
+    "too_short": "must have at least {min_length} items",
+    "string_too_long": "may be at most {max_length} characters long (it has {length})",
+    "string_too_short": "must be at least {min_length} characters long",
+}
+
+
+def _shown(value: object) -> str:
+    """A received value as quoted in a message: short, whatever was sent."""
+    if isinstance(value, (dict, list)):
+        return type(value).__name__
+    return repr(clip(value)) if isinstance(value, str) else clip(repr(value))
+
+
+def _param(loc: tuple) -> str:
+    """The field's path, without union members ('stop', 'list[str]', 0 -> 'stop.0')."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not _looks_like_type(p)]
+    return clip(".".join(parts) if parts else str(loc[0]))  # a field name is input too
+
+
 def _looks_like_type(part: object) -> bool:
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool",
-                                                              "function-after", "list"})
+    return isinstance(part, str) and ("[" in part or part.startswith(("constrained-", "function-"))
+                                      or part in {"str", "int", "float", "bool", "list"})
 
 
 # ---- requests -------------------------------------------------------------------------------
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -98,32 +167,35 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    stop: Stop | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Float32] | None = None
     # accepted and ignored: they do not change what is generated here
     user: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int32 = 0  # lower is served first; the server may bound it further
     session_id: str | None = None
     return_token_ids: bool = False
+    # vLLM's prefix-cache namespace: requests hit only pages cached under the same salt (and,
+    # with API keys, the same key)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # hlserve: who waits on this request
     request_class: Literal["interactive", "agent"] | None = None
 
@@ -175,12 +247,20 @@ class _Common(_Strict):
             raise invalid_request(str(e)) from None
 
 
+# what /openapi.json says ``prompt`` is; the handler checks it (prompts()), for messages that
+# say which shapes are allowed rather than four failed alternatives
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
+
+
 class CompletionRequest(_Common):
-    prompt: Any = None
-    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
-    best_of: int | None = None
+    prompt: Any = Field(None, json_schema_extra=_PROMPT_SCHEMA)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's and vLLM's default
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -257,9 +337,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -284,9 +364,6 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs", code="invalid_value")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                           f"{self.top_logprobs}", param="top_logprobs", code="invalid_value")
         if self.tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported by "
                            "this server", param="tool_choice", code="unsupported_parameter")
