@@ -147,6 +147,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """The OpenAI-compatible HTTP server (docs/server.md)."""
+    from hlserve.cpu_runtime import arrange
+
+    arrange(getattr(args, "device", None) or "auto")  # may re-execute this command once, first
     from hlserve.server.api import serve
     from hlserve.server.args import server_settings
 
