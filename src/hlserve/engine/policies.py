@@ -49,35 +49,70 @@ class _Match:
     num_tokens: int  # request length when the match began (grows after a retraction)
     node: Node  # deepest tree node matched so far
     depth: int  # pages matched
-    since: int  # step it (re)entered the queue
 
 
-class LongestPrefixMatch(OrderPolicy):
+class AgedPrefixOrder(OrderPolicy):
     """Longest cached prefix first, with aging so that a cold request is not starved.
+
+    Score = cached tokens + ``aging`` x iterations waited; ties go to the earlier arrival.
+    Subclasses say how many of a request's tokens are cached (``cached_tokens``): hlserve's
+    radix tree here, vLLM's block-hash pool in ``hlserve.integrations.vllm``; the ranking,
+    the aging and the FCFS fallback are this one class wherever it runs. A request needs only
+    ``request_id``, ``arrival_time`` and ``num_tokens``.
+    """
+
+    def __init__(self, aging: float, fcfs_fallback: int | None) -> None:
+        self.aging = aging
+        self.fcfs_fallback = fcfs_fallback
+        self._since: dict[str, int] = {}  # step each waiting request (re)entered the queue
+
+    @abc.abstractmethod
+    def cached_tokens(self, req: Request, step: int) -> int: ...
+
+    def _waited(self, req: Request, step: int) -> int:
+        """Iterations waited; the wait counts from the first pass that saw the request."""
+        return step - self._since.setdefault(req.request_id, step)
+
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        if self.fcfs_fallback is not None and len(waiting) > self.fcfs_fallback:
+            return FCFS().order(waiting, step)
+        if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk,
+            self._waited(waiting[0], step)  # but its wait counts from now, for aging
+            return iter(waiting)
+        heap = []
+        for i, r in enumerate(waiting):
+            score = self.cached_tokens(r, step) + self.aging * self._waited(r, step)
+            heap.append((-score, r.arrival_time, i))
+        heapq.heapify(heap)
+        return (waiting[heapq.heappop(heap)[2]] for _ in range(len(heap)))
+
+    def forget(self, req: Request) -> None:
+        self._since.pop(req.request_id, None)
+
+
+class LongestPrefixMatch(AgedPrefixOrder):
+    """LPM with aging over hlserve's radix tree.
 
     The common implementation walks the radix tree from the root for every waiting request
     on every pass, which is why it falls back to FCFS above 128 waiting requests. Here each
     waiting request remembers the deepest node it matched: the next pass resumes from there
     (climbing past evicted nodes, descending into new children), so a pass costs O(1) per
     request when the tree changed little, and stays cheap at thousands waiting.
-
-    Score = cached tokens + ``aging`` x iterations waited; ties go to the earlier arrival.
     """
 
     def __init__(self, kv: KVCacheManager, aging: float, fcfs_fallback: int | None) -> None:
+        super().__init__(aging, fcfs_fallback)
         self.kv = kv
-        self.aging = aging
-        self.fcfs_fallback = fcfs_fallback
         self._state: dict[str, _Match] = {}
         self.lookups = 0  # tree lookups made, the cost that matters at thousands waiting
 
     def _state_for(self, req: Request, step: int) -> _Match:
         """The request's match state; a new one (from the root) when it first waits or has
-        grown since (a retraction), keeping when it began to wait."""
+        grown since (a retraction: its wait keeps counting from when it began)."""
+        self._since.setdefault(req.request_id, step)
         st = self._state.get(req.request_id)
         if st is None or st.num_tokens != req.num_tokens:
-            since = st.since if st is not None else step
-            st = _Match(req.num_tokens, self.kv.root, 0, since)
+            st = _Match(req.num_tokens, self.kv.root, 0)
             self._state[req.request_id] = st
         return st
 
@@ -99,21 +134,8 @@ class LongestPrefixMatch(OrderPolicy):
         st.node, st.depth = node, depth
         return depth * ps
 
-    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
-        if self.fcfs_fallback is not None and len(waiting) > self.fcfs_fallback:
-            return FCFS().order(waiting, step)
-        if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk,
-            self._state_for(waiting[0], step)  # but its wait counts from now, for aging
-            return iter(waiting)
-        heap = []
-        for i, r in enumerate(waiting):
-            cached = self.cached_tokens(r, step)
-            score = cached + self.aging * (step - self._state[r.request_id].since)
-            heap.append((-score, r.arrival_time, i))
-        heapq.heapify(heap)
-        return (waiting[heapq.heappop(heap)[2]] for _ in range(len(heap)))
-
     def forget(self, req: Request) -> None:
+        super().forget(req)
         self._state.pop(req.request_id, None)
 
 
