@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hlserve.config import EngineConfig
 from hlserve.engine.kv_cache import KVCacheManager
@@ -26,7 +27,7 @@ from hlserve.request import (
     SamplingParams,
     TokenLogprobs,
 )
-from hlserve.runner.base import Batch, Runner
+from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
@@ -71,7 +72,7 @@ class Engine:
         mc = runner.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self._advance = getattr(clock, "advance", None)
         self.caps_report = describe_caps(
             config, self.kv.num_pages, self.kv.page_size, self.max_model_len,
@@ -169,22 +170,46 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; returns outputs of requests that got a token or ended."""
-        return [RequestOutput.of(r) for r in self.step_requests()]
+        return [self._output_of(r) for r in self.step_requests()]
+
+    def _output_of(self, req: Request) -> RequestOutput:
+        """The request's output; one whose output cannot be built fails alone (its final
+        output says so) instead of failing the whole step's outputs."""
+        try:
+            return RequestOutput.of(req)
+        except Exception as exc:
+            log.error("building the output of %s failed: %s", req.request_id, exc, exc_info=True)
+            if not req.finished:
+                self._finish(req, FinishReason.ERROR, error=f"building its output failed: {exc}")
+            return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                 token_ids=list(req.output_token_ids), text="", finished=True,
+                                 finish_reason=FinishReason.ERROR.value,
+                                 error=f"building its output failed: {type(exc).__name__}: {exc}")
 
     def step_requests(self) -> list[Request]:
         """One iteration; returns the requests that got a token or ended, themselves (read
         them, do not change them). For drivers that only look at finished requests: a
-        snapshot of every running request per iteration is most of a simulator's time."""
+        snapshot of every running request per iteration is most of a simulator's time.
+
+        A step that raises outside the runner (in ``schedule`` or ``update``) loses nothing:
+        every request it touched ends with an error and is returned, every other one is kept,
+        and the KV accounting is checked (:meth:`_recover`). Only repeated failures, or
+        accounting that no longer balances, raise :class:`EngineDeadError`."""
         touched: list[Request] = self._finished
         self._finished = []
-        batch = self.scheduler.schedule()
-        for req in self.scheduler.rejected:
-            self._finish(req, FinishReason.ABORT, error=(
-                f"rejected by admission ({self.config.admission}): its projected length "
-                f"({req.max_total_tokens} tokens) exceeds the KV headroom now"))
-        self.scheduler.rejected.clear()
-        if batch.seqs:
-            self._run(batch, touched)
+        try:
+            batch = self.scheduler.schedule()
+            for req in self.scheduler.rejected:
+                self._finish(req, FinishReason.ABORT, error=(
+                    f"rejected by admission ({self.config.admission}): its projected length "
+                    f"({req.max_total_tokens} tokens) exceeds the KV headroom now"))
+            self.scheduler.rejected.clear()
+            if batch.seqs:
+                self._run(batch, touched)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            self._recover(exc, touched)
         if self.config.check_invariants:
             self.scheduler.check_invariants()
         return touched
@@ -194,12 +219,9 @@ class Engine:
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
-        try:
-            result = self.runner.execute(batch)
-        except Exception as exc:  # the forward failed: fail this batch, keep serving the rest
-            self._fail_batch(batch, exc, touched)
+        batch, result = self._execute_isolated(batch, touched)
+        if not batch.seqs:
             return
-        self._consecutive_failures = 0
         if self._advance is not None:
             self._advance(result.elapsed)
         self.scheduler.observe(batch, result.elapsed)
@@ -212,21 +234,115 @@ class Engine:
             if not seq.samples:
                 continue
             req = seq.request
-            self._append(req, result.tokens[req.request_id], now,
-                         result.logprobs.get(req.request_id))
+            try:
+                self._append(req, result.tokens[req.request_id], now,
+                             result.logprobs.get(req.request_id))
+            except Exception as exc:  # one request's output processing: it fails alone
+                log.error("processing the token of %s failed: %s", req.request_id, exc,
+                          exc_info=True)
+                if not req.finished:
+                    self._finish(req, FinishReason.ERROR, error=f"processing its output failed: {exc}")
             touched.append(req)
 
-    def _fail_batch(self, batch: Batch, exc: Exception, touched: list[Request]) -> None:
-        log.error("a forward failed; failing its %d requests: %s", len(batch), exc, exc_info=True)
+    def _execute_isolated(self, batch: Batch, touched: list[Request]) -> tuple[Batch, StepResult]:
+        """Run the batch; if the forward raises, find the sequences it raises for by halving
+        the batch, fail those alone and return the part that ran. Re-running a sequence
+        rewrites the same KV slots with the same values, so a retry loses nothing. Only a
+        forward that fails for every single sequence counts towards the runner being broken."""
+        try:
+            result = self.runner.execute(batch)
+        except Exception as e:
+            exc = e
+        else:
+            self._consecutive_failures = 0
+            return batch, result
+        ok, failed = self._bisect(batch.seqs, exc)
+        self.stats.failed_steps += 1
+        log.error("a forward failed; failing %d of its %d requests: %s", len(failed), len(batch),
+                  exc, exc_info=True)
+        for seq, err in failed:
+            if not seq.request.finished:
+                self._finish(seq.request, FinishReason.ERROR, error=f"the forward failed: {err}")
+                touched.append(seq.request)
+        if ok:
+            self._consecutive_failures = 0
+        else:
+            self._consecutive_failures += 1
+            if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                raise EngineDeadError(
+                    f"{self._consecutive_failures} forwards failed in a row; last: {exc}"
+                ) from exc
+        seqs = [seq for sub, _ in ok for seq in sub.seqs]
+        merged = StepResult(tokens={}, elapsed=0.0)
+        for _, res in ok:
+            merged.tokens.update(res.tokens)
+            merged.logprobs.update(res.logprobs)
+            merged.elapsed += res.elapsed
+        return Batch(seqs=seqs), merged
+
+    def _bisect(self, seqs: list, exc: Exception
+                ) -> tuple[list[tuple[Batch, StepResult]], list[tuple[Any, Exception]]]:
+        """(sub-batches that ran with their results, sequences that fail alone)."""
+        if len(seqs) == 1:
+            return [], [(seqs[0], exc)]
+        ok: list[tuple[Batch, StepResult]] = []
+        failed: list[tuple[Any, Exception]] = []
+        half = len(seqs) // 2
+        for part in (seqs[:half], seqs[half:]):
+            sub = Batch(seqs=part)
+            try:
+                ok.append((sub, self.runner.execute(sub)))
+            except Exception as e:
+                more_ok, more_failed = self._bisect(part, e)
+                ok += more_ok
+                failed += more_failed
+        return ok, failed
+
+    def _recover(self, exc: Exception, touched: list[Request]) -> None:
+        """A step raised outside the runner: end with an error every request the step was
+        scheduling or running, and any request the half-done step left inconsistent (pages
+        held while waiting, running without pages, in neither queue), so that each gets its
+        final output and nothing holds pages; then the accounting must balance."""
+        log.error("an engine step failed outside the forward: %s", exc, exc_info=True)
         self.stats.failed_steps += 1
         self._consecutive_failures += 1
-        for seq in batch.seqs:
-            if not seq.request.finished:
-                self._finish(seq.request, FinishReason.ERROR, error=f"the forward failed: {exc}")
-                touched.append(seq.request)
+        sched, kv = self.scheduler, self.kv
+        victims = {s.request.request_id: s.request for s in sched.last_scheduled()}
+        queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
+        for r in sched.running:
+            if r.status is not RequestStatus.RUNNING or not kv.holds(r.request_id):
+                victims[r.request_id] = r
+        for r in sched.waiting:
+            if r.status is not RequestStatus.WAITING or kv.holds(r.request_id):
+                victims[r.request_id] = r
+        for rid, r in self.requests.items():
+            if rid not in queued:
+                victims[rid] = r
+        for r in sched.rejected:
+            victims[r.request_id] = r
+        sched.rejected.clear()
+        for req in victims.values():
+            if not req.finished:
+                try:
+                    self._finish(req, FinishReason.ERROR,
+                                 error=f"the engine step failed: {type(exc).__name__}: {exc}")
+                except Exception:  # its state is beyond repair; the check below decides
+                    log.exception("ending %s after a failed step failed", req.request_id)
+                    req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ERROR
+                    self.requests.pop(req.request_id, None)
+            if req in self._finished:
+                self._finished.remove(req)
+            if req not in touched:
+                touched.append(req)
+        sched.reset_pass()
+        try:
+            sched.check_invariants()
+        except AssertionError as broken:
+            raise EngineDeadError(f"the KV accounting is broken after a failed step ({exc}): "
+                                  f"{broken}") from exc
         if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
             raise EngineDeadError(
-                f"{self._consecutive_failures} forwards failed in a row; last: {exc}"
+                f"{self._consecutive_failures} engine steps failed in a row; last: {exc}"
             ) from exc
 
     def _append(self, req: Request, token: int, now: float,

@@ -217,13 +217,22 @@ class AdmitQuery:
     chunk_pages: int  # pages the first chunk needs now
     headroom_pages: int  # free + evictable (minus matched pages that admission would lock)
     reserved_pages: int  # future growth of running requests, where the policy reserves it
+    num_running: int = 0  # requests running now (their share of the pool bounds a projection)
+    max_model_len: int | None = None  # no request grows past it, whatever its max_tokens
 
 
 class AdmissionPolicy(abc.ABC):
     reserves = False
+    # a request told to wait stops admission for this pass (head of line), unless the policy
+    # backfills: then those behind it that fit are admitted around it
+    backfill = False
 
     @abc.abstractmethod
     def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str: ...
+
+    def need_pages(self, q: AdmitQuery, kv: KVCacheManager) -> int:
+        """Pages this request waits for (held back for it once it has waited long)."""
+        return q.chunk_pages
 
 
 class ChunkFits(AdmissionPolicy):
@@ -234,11 +243,16 @@ class ChunkFits(AdmissionPolicy):
 
 
 def _projected_pages(q: AdmitQuery, kv: KVCacheManager, output_cap: int | None = None) -> int:
+    """Pages the request holds at its end (prompt + remaining output, never past the model's
+    length: a max_tokens beyond it cannot be used), less those the prefix cache serves."""
     r = q.request
     out = r.params.max_tokens - len(r.output_token_ids)
     if output_cap is not None:
         out = min(out, output_cap)
-    return kv.pages_for(r.num_tokens + out) - q.cached_tokens // kv.page_size
+    total = r.num_tokens + out
+    if q.max_model_len is not None:
+        total = min(total, q.max_model_len)
+    return kv.pages_for(total) - q.cached_tokens // kv.page_size
 
 
 class Reserve(AdmissionPolicy):
@@ -262,12 +276,28 @@ class AbortGuard(AdmissionPolicy):
 
 
 class Backpressure(AdmissionPolicy):
-    """Throughput mode: the same projection, but a request that does not fit now waits
-    until pages free up. Only one that could never fit is refused (at intake)."""
+    """Throughput mode: a request is admitted when its prompt and projected output fit the
+    pool's real headroom (free + evictable pages), so that running requests are not
+    retracted to make room for it; one that does not fit waits until pages free up, and
+    only one that could never fit is refused (at intake).
+
+    The output projection is bounded by a fair share of the pool, ``pool / (running + 1)``
+    pages: a request without ``max_tokens`` (every chat client's default) would otherwise
+    project the whole context window and wait for an empty pool, a convoy behind the
+    longest-running stream. Growth past the share is what retraction is for. And a request
+    that waits does not block those behind it that fit (backfill); the scheduler holds its
+    pages back for it once it has waited long, so it is not starved either."""
+
+    backfill = True
 
     def decide(self, q: AdmitQuery, kv: KVCacheManager) -> str:
-        need = max(q.chunk_pages, _projected_pages(q, kv))
-        return Admit.YES if need <= q.headroom_pages else Admit.WAIT
+        return Admit.YES if self.need_pages(q, kv) <= q.headroom_pages else Admit.WAIT
+
+    def need_pages(self, q: AdmitQuery, kv: KVCacheManager) -> int:
+        r = q.request
+        share = kv.num_pages // (q.num_running + 1)
+        prompt = kv.pages_for(r.num_tokens) - q.cached_tokens // kv.page_size
+        return max(q.chunk_pages, min(_projected_pages(q, kv), prompt + share))
 
 
 # ---- retraction -----------------------------------------------------------------------------

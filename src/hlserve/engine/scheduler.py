@@ -13,7 +13,10 @@ It knows nothing about tensors or time sources (iteration times reach it only th
 4. waiting requests, interactive ones first, then in the order policy's order, while the
    running-request limit, the budget, the prefill caps and the pool allow; the admission
    policy decides for each (admit, wait, reject). The first that waits stops admission (no
-   overtaking). Nothing is admitted in an iteration that retracted.
+   overtaking), unless the policy backfills (throughput mode's backpressure): then those
+   behind it that fit are admitted, and a request that has waited long has its pages held
+   back from them. A policy never holds an idle pool: a request alone is admitted when its
+   chunk fits. Nothing is admitted in an iteration that retracted.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ INTERACTIVE = RequestClass.INTERACTIVE
 # SGLang's estimate of how much of its max_tokens a running request will still use
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_STEPS = 0.7, 0.098, 600
 SHARED_SPAN_PAGES = 2  # uncached pages two requests must share for one to wait for the other
+# backfilling admission: passes a request may wait while others overtake it before its pages
+# are held back for it, and how many waiting requests one pass looks past (a pass over
+# thousands waiting must stay cheap)
+BACKFILL_PATIENCE_STEPS = 256
+BACKFILL_MAX_SKIPS = 32
 
 
 def _cap(value: int | None) -> float:
@@ -48,9 +56,11 @@ def _cap(value: int | None) -> float:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 max_model_len: int | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len or config.max_model_len
         self.order = make_order(config, kv)
         self.mixing = make_mixing(config)
         self.admission = make_admission(config)
@@ -63,6 +73,7 @@ class Scheduler:
         self.num_retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._last_admit_step = -(10**9)
+        self._waiting_since: dict[str, int] = {}  # backfill: first pass a request was held
         # per-pass state
         self._budget: float = 0
         self._chunk: float = math.inf
@@ -81,9 +92,14 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.order.forget(req)
+        self._forget(req)
         if self.kv.holds(req.request_id):
             self._release(req)
+
+    def _forget(self, req: Request) -> None:
+        """The request left the waiting queue (admitted, rejected or ended)."""
+        self.order.forget(req)
+        self._waiting_since.pop(req.request_id, None)
 
     def _commit(self, req: Request) -> None:
         """Put the request's newly full, computed pages into the prefix tree, handing the KV
@@ -223,6 +239,7 @@ class Scheduler:
         mid_chunk = sum(1 for r in self.running if r.in_prefill)
         span = SHARED_SPAN_PAGES * ps
         computing: set[tuple[Node | str | None, tuple[int, ...]]] = set()  # (where, next tokens) in prefill
+        held_back = skips = 0  # backfill: pages kept for long-waiting requests; requests passed
         for req in list(self._waiting_order()):
             if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
                 break
@@ -245,18 +262,30 @@ class Scheduler:
                 break
             chunk_pages = self.kv.pages_for(cached + n) - len(nodes)
             # matched pages nobody holds are counted as evictable now but get locked
-            headroom = self.kv.available() - sum(1 for nd in nodes if nd.ref == 0)
+            headroom = self.kv.available() - sum(1 for nd in nodes if nd.ref == 0) - held_back
             reserved = self._reserved_pages() if self.admission.reserves else 0
-            verdict = self.admission.decide(
-                AdmitQuery(req, cached, chunk_pages, headroom, reserved), self.kv
-            )
+            query = AdmitQuery(req, cached, chunk_pages, headroom, reserved, len(self.running),
+                               self.max_model_len)
+            verdict = self.admission.decide(query, self.kv)
             if verdict == Admit.REJECT:
                 self.waiting.remove(req)
-                self.order.forget(req)
+                self._forget(req)
                 self.rejected.append(req)
                 continue
+            if verdict == Admit.WAIT and not self.running and self.kv.num_used == 0:
+                verdict = Admit.YES  # no policy may hold an idle pool: alone, it is admitted
             if verdict == Admit.WAIT or chunk_pages > headroom:
-                break
+                if not self.admission.backfill:
+                    break
+                # backfill: those behind it that fit go first; once it has waited long, its
+                # pages are held back from them, so it is not starved
+                since = self._waiting_since.setdefault(req.request_id, self.step)
+                if self.step - since >= BACKFILL_PATIENCE_STEPS:
+                    held_back += min(max(headroom, 0), self.admission.need_pages(query, self.kv))
+                skips += 1
+                if skips >= BACKFILL_MAX_SKIPS:
+                    break
+                continue
             cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=nodes,
                                    salt=req.cache_salt)
             req.num_prefix_queries += len(tokens)
@@ -268,7 +297,7 @@ class Scheduler:
             req.num_computed = cached
             req.status = RequestStatus.RUNNING
             self.waiting.remove(req)
-            self.order.forget(req)
+            self._forget(req)
             self.running.append(req)
             self._add(req, n)
             self._last_admit_step = self.step
@@ -289,6 +318,15 @@ class Scheduler:
         self._budget -= n
         if not seq.is_decode:
             self._prefill_tokens += n
+
+    def last_scheduled(self) -> list[ScheduledSeq]:
+        """What the last (or the interrupted) pass scheduled: the requests a failed step touched."""
+        return list(self._scheduled.values())
+
+    def reset_pass(self) -> None:
+        """Forget an interrupted pass's state (after the engine ended what it touched)."""
+        self._scheduled = {}
+        self._prefill_tokens = 0
 
     # ---- after the step -----------------------------------------------------------------
     def update(self, batch: Batch) -> None:

@@ -1,0 +1,82 @@
+"""Throughput-mode admission never convoys.
+
+A chat request without ``max_tokens`` gets the rest of the context as its limit; projected
+in full, it would wait for an empty pool and hold every request behind it. It must be
+admitted as soon as its prompt (and a fair share of the pool) fits, and a request that
+waits must not stop those behind it that fit.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from hlserve.config import EngineConfig
+from hlserve.engine.engine import Engine
+from hlserve.engine.presets import DeviceInfo, resolve_options
+from hlserve.request import SamplingParams
+from support import HistoryRunner
+
+PAGES, PAGE = 256, 16
+CONTEXT = PAGES * PAGE  # the context window is the whole pool, as on a small machine
+
+
+def throughput_engine(**knobs) -> Engine:
+    opts = resolve_options({"mode": "throughput", **knobs}, DeviceInfo("cpu"))
+    cfg = EngineConfig(model="-", max_model_len=CONTEXT, check_invariants=True, **opts)
+    return Engine(cfg, HistoryRunner(PAGES, PAGE, check=False))
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_a_request_without_max_tokens_is_admitted_while_long_streams_run() -> None:
+    e = throughput_engine()
+    streams = [e.add_request([1, 2, 3, i % 8] * 5, params(300)) for i in range(8)]
+    for _ in range(5):
+        e.step()
+    assert all(r in e.scheduler.running for r in streams)
+    prompt = [4, 5, 6] * 10
+    chat = e.add_request(prompt, params(CONTEXT - len(prompt)))  # the chat default
+    e.step()
+    assert chat in e.scheduler.running, "the chat request waits for the 8 streams: a convoy"
+    assert all(not r.finished for r in streams)
+
+
+def test_a_waiting_request_does_not_block_those_behind_it() -> None:
+    """Backfill: one request too big for the headroom now waits; a small one behind it is
+    admitted at once; the big one is admitted later and everything ends."""
+    e = throughput_engine()
+    hog = e.add_request([1] * 40, params(CONTEXT // 2 + 100))  # grows past half the pool
+    for _ in range(CONTEXT // 2):
+        e.step()
+    big = e.add_request([2] * (CONTEXT // 2), params(32))  # more than the headroom now
+    small = e.add_request([3] * 20, params(8))
+    e.step()
+    assert big in e.scheduler.waiting
+    assert small in e.scheduler.running, "a waiting request stopped admission of one that fits"
+    done = {}
+    for _ in range(20000):
+        if not e.has_unfinished():
+            break
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert {r.request_id for r in (hog, big, small)} <= set(done)
+    assert all(o.finish_reason == "length" for o in done.values())
+
+
+def test_offline_max_tokens_beyond_the_context_does_not_hang(tiny_llama) -> None:
+    """LLM.generate in throughput mode with max_tokens > max_model_len ends at the model's
+    length instead of waiting forever for a pool that could hold prompt + max_tokens."""
+    from hlserve.llm import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", mode="throughput", max_model_len=64,
+              num_pages=4, page_size=16)
+    result: list = []
+    t = threading.Thread(target=lambda: result.extend(llm.generate(
+        [[1, 2, 3, 4]], params(1000), use_tqdm=False)), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "generate hung"
+    assert result[0].finish_reason == "length" and len(result[0].token_ids) == 60
