@@ -22,7 +22,9 @@ docs/bench.md, "Engine speed"):
 - **Prefill over a cached context** (a later chunk, or a prompt after a prefix-cache hit):
   attention to the cached part needs no mask and attention to the new part is square causal;
   the two are computed separately and merged by their log-sum-exp, so no ``[new, context]``
-  mask is ever built. On CUDA a lower-right causal bias does the same inside one kernel.
+  mask is ever built. Without a mask the cached part groups heads as a decode does (G x n
+  query rows per KV head, no K/V expansion). On CUDA a lower-right causal bias does the same
+  inside one kernel.
 - **Fresh prefill** (no context): causal SDPA over the new K/V, no gather.
 """
 
@@ -164,16 +166,23 @@ def _prefill_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, con
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, total),
                                               scale=scale, enable_gqa=gqa)
-    if gqa:  # the LSE kernel takes equal head counts
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    cached = _sdpa_lse(q, k[:, :, :context_len], v[:, :, :context_len], False, scale)
-    new = _sdpa_lse(q, k[:, :, context_len:], v[:, :, context_len:], True, scale)
-    if cached is None or new is None:  # no LSE kernel in this torch: one masked call
+    if _LSE_OP is None:  # no LSE kernel in this torch: one masked call
         qpos = torch.arange(n, device=q.device).unsqueeze(1) + context_len
         mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    (o1, lse1), (o2, lse2) = cached, new
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    heads, kvh, d = q.shape[1], k.shape[1], q.shape[3]
+    group = heads // kvh
+    # the cached part has no mask, so every query of the group's heads is a row of one query
+    # matrix against that KV head's context: G x n rows, no K/V expansion, bigger GEMMs
+    o1, lse1 = _sdpa_lse(q.reshape(1, kvh, group * n, d), k[:, :, :context_len],
+                         v[:, :, :context_len], False, scale)
+    o1, lse1 = o1.reshape(1, heads, n, d), lse1.reshape(1, heads, n)
+    # the new part is square causal; the LSE kernel takes equal head counts (small copies)
+    k_new, v_new = k[:, :, context_len:], v[:, :, context_len:]
+    if gqa:
+        k_new, v_new = k_new.repeat_interleave(group, 1), v_new.repeat_interleave(group, 1)
+    o2, lse2 = _sdpa_lse(q, k_new, v_new, True, scale)
     # softmax over the union = each part's softmax weighted by its share of the total mass
     w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)  # e^lse1 / (e^lse1 + e^lse2)
     return (o1.float() * w1 + o2.float() * (1 - w1)).to(q.dtype)
@@ -183,9 +192,8 @@ _LSE_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
 
 
 def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and the log-sum-exp of its scores per query row (CPU flash kernel)."""
-    if _LSE_OP is None:
-        return None
+    assert _LSE_OP is not None
     out, lse = _LSE_OP(q, k, v, 0.0, causal, scale=scale)[:2]
     return out, lse.float()

@@ -105,6 +105,10 @@ SIZES: dict[str, _Shape] = {
     "0.5b": _Shape(
         896, 24, 14, 2, 64, 4864, 151936, 32768, tie_word_embeddings=True, rope_theta=1e6
     ),
+    # Qwen2.5-7B exactly (~15 GB in bf16): for GPU checks (benchmarks/gpu_check.py).
+    "7b": _Shape(
+        3584, 28, 28, 4, 128, 18944, 152064, 32768, tie_word_embeddings=False, rope_theta=1e6
+    ),
 }
 
 
