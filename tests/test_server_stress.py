@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -129,3 +130,111 @@ def test_many_streams_with_disconnects(server) -> None:
           f"{out['settle']:.2f}s after; /health max {max(t for _, t in health) * 1000:.0f} ms "
           f"over {len(health)} probes")
     assert out["elapsed"] < TIME_LIMIT_S
+
+
+# ---- slow readers, queue caps, slow clients ----------------------------------------------------
+
+SLOW_STREAMS, SLOW_TOKENS = 2, 2000
+SLOW_RSS_BOUND_MIB = 48  # growth allowed while the streams sit unread (measured: well under 10)
+
+
+def _stalled_stream(url: str, body: dict) -> socket.socket:
+    """A stream request on a socket that is never read (a tiny receive buffer, so the
+    server's writes stall at once)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    return s
+
+
+@pytest.mark.slow
+def test_a_stream_that_is_never_read_keeps_memory_bounded(tiny_llama: Path, tmp_path: Path) -> None:
+    """Outputs a reader has not taken are coalesced: a stalled stream holds one output, not
+    a copy per step (which grows with the square of the length)."""
+    from servers import metric, rss_mib
+
+    args = ["--dtype", "float32", "--max-model-len", "4096", "--num-pages", "1024",
+            "--uvicorn-log-level", "warning", "--cpu-threads", "1"]
+    body = {"prompt": "Write a long story", "max_tokens": SLOW_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 5, "return_token_ids": True}
+    with ServerProcess(tiny_llama, args, log_path=tmp_path / "server.log") as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:  # warm-up, read in full
+            for _ in r.iter_lines():
+                pass
+        base = rss_mib(srv.proc.pid)
+        gen0 = metric(c.get("/metrics").text, "hlserve:generation_tokens_total")
+        socks = [_stalled_stream(srv.url, body) for _ in range(SLOW_STREAMS)]
+        try:
+            end = time.monotonic() + 120
+            while time.monotonic() < end:
+                gen = metric(c.get("/metrics").text, "hlserve:generation_tokens_total")
+                if gen - gen0 >= SLOW_STREAMS * SLOW_TOKENS:
+                    break
+                time.sleep(0.2)
+            assert gen - gen0 >= SLOW_STREAMS * SLOW_TOKENS, "the streams did not finish"
+            grown = rss_mib(srv.proc.pid) - base
+        finally:
+            for s in socks:
+                s.close()
+        print(f"\n{SLOW_STREAMS} unread streams of {SLOW_TOKENS} tokens: RSS +{grown:.1f} MiB "
+              f"(bound {SLOW_RSS_BOUND_MIB})")
+        assert grown < SLOW_RSS_BOUND_MIB
+        assert c.get("/health").status_code == 200
+
+
+def test_queue_caps_answer_503_and_a_request_that_could_never_fit_400(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    args = ["--dtype", "float32", "--max-model-len", "256", "--num-pages", "64",
+            "--uvicorn-log-level", "warning", "--max-num-seqs", "1",
+            "--max-queued-requests", "2", "--max-queued-tokens", "300"]
+    with ServerProcess(tiny_llama, args, log_path=tmp_path / "server.log") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        never = c.post("/v1/completions", json={"prompt": [[1, 2]] * 3, "max_tokens": 1})
+        assert never.status_code == 400, never.text
+        big = c.post("/v1/completions", json={"prompt": [[5] * 200] * 2, "max_tokens": 1})
+        assert big.status_code == 400 and "max-queued-tokens" in big.text, big.text
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as ac:
+                body = {"prompt": [7] * 100, "max_tokens": 40, "ignore_eos": True}
+                return await asyncio.gather(*(ac.post("/v1/completions", json=body)
+                                              for _ in range(8)))
+
+        answers = asyncio.run(burst())
+        codes = [r.status_code for r in answers]
+        full = [r for r in answers if r.status_code == 503]
+        assert 200 in codes and 503 in codes, codes
+        assert full and full[0].json()["error"]["code"] == "queue_full"
+        assert full[0].headers["retry-after"] == "1"
+
+
+def test_a_slowloris_connection_is_closed(tiny_llama: Path, tmp_path: Path) -> None:
+    args = ["--dtype", "float32", "--max-model-len", "256", "--num-pages", "64",
+            "--uvicorn-log-level", "warning", "--request-read-timeout", "1"]
+    with ServerProcess(tiny_llama, args, log_path=tmp_path / "server.log") as srv:
+        host, port = srv.host, srv.port
+        trickle = socket.create_connection((host, port))
+        silent = socket.create_connection((host, port))
+        trickle.settimeout(10)
+        silent.settimeout(10)
+        t0 = time.monotonic()
+        closed = False
+        for byte in b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n":  # headers, one a time
+            try:
+                trickle.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+        assert closed or trickle.recv(1024) == b"", "a trickling client kept its connection"
+        assert silent.recv(1024) == b"", "a silent connection was kept open"
+        assert time.monotonic() - t0 < 8
+        trickle.close()
+        silent.close()
+        with httpx.Client(base_url=srv.url) as c:  # normal clients are unaffected
+            assert c.get("/health").status_code == 200

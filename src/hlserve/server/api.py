@@ -18,7 +18,6 @@ still what ``/openapi.json`` documents.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -46,7 +45,14 @@ from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavaila
 from hlserve.request import RequestOutput, SamplingParams, TokenLogprobs
 from hlserve.server.args import REQUEST_CLASSES, ServerSettings
 from hlserve.server.auth import ApiKey, KeyTable
-from hlserve.server.bridge import EngineBridge, RequestFailed, RequestGroup, Submission
+from hlserve.server.bridge import (
+    BridgeLimits,
+    EngineBridge,
+    EventSink,
+    RequestFailed,
+    RequestGroup,
+    Submission,
+)
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
@@ -806,9 +812,8 @@ async def stream(group: RequestGroup, fmt: _Chunks, options: Any) -> AsyncIterat
 
 def serve(model: str, engine_options: dict[str, Any], settings: ServerSettings) -> None:
     """Build the engine, then serve until interrupted (``hlserve serve``)."""
-    import uvicorn
-
     from hlserve.llm import build_engine
+    from hlserve.server.lifecycle import run_server
 
     keys = KeyTable.load(settings.api_key, settings.api_keys_file)  # fail before loading
     configure_logging(settings.log_level)

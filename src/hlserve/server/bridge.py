@@ -8,13 +8,25 @@ in one dedicated thread that owns it outright: nothing else calls into the engin
   sleeps on the condition when it has nothing to do.
 - **Out**: after each drain and each step the engine thread hands everything it produced to
   the event loop in one ``loop.call_soon_threadsafe`` call, which puts each event on the
-  ``asyncio.Queue`` of the HTTP request it belongs to. Events are ``(kind, index, payload)``:
+  :class:`EventSink` of the HTTP request it belongs to. Events are ``(kind, index, payload)``:
   ``added`` (the engine accepted the request), ``output`` (a cumulative
   :class:`RequestOutput`), ``error`` (an exception: rejected, or failed).
-- **Faults**: a request the engine rejects fails alone (``error`` event, 400). A step that
-  raises fails the requests that were running, is counted, and the loop goes on once the KV
-  accounting checks out; three failed steps in a row, or any error outside a step, kill the
-  loop: every pending request gets :class:`EngineDeadError` and ``/health`` answers 503.
+  An HTTP request's events go to its :class:`EventSink`, which keeps control events in
+  order but only the latest cumulative output per prompt: a reader that lags gets the newest
+  state in one chunk, and a stalled one costs O(1) memory instead of a copy of every step.
+- **Limits** (:class:`BridgeLimits`): queued requests and queued prompt tokens are capped
+  (:class:`ServiceUnavailableError` ``queue_full``, 503 with Retry-After; a request that
+  could never fit a cap is a 400), a request past its deadline is ended with an error, and
+  ``health_problem`` reports a loop that has not come round within the iteration timeout
+  while work is in flight ("engine wedged").
+- **Faults**: a request the engine rejects fails alone (``error`` event, 400). The engine
+  fails a request whose forward or output processing raises alone, and recovers from a step
+  that raises outside the forward (each request it touched ends with an error); three failed
+  steps in a row, or any error outside a step, kill the loop: every pending request gets
+  :class:`EngineDeadError`, ``/health`` answers 503, and the server process exits non-zero
+  so that a supervisor restarts it.
+- **Drain** (``start_drain``, SIGTERM): new requests get ``ServiceUnavailableError``
+  ``draining``; what is in flight runs on until ``fail_all`` ends what remains.
 - **Metrics** are recorded here, in the engine thread, as outputs arrive (counters,
   histograms) and after every iteration (gauges), so a scrape never touches the engine.
 """
@@ -23,16 +35,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.engine.engine import Engine
-from hlserve.errors import EngineDeadError, InvalidRequestError
+from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import Request, RequestOutput, SamplingParams
-from hlserve.server.args import REQUEST_CLASSES
+from hlserve.server.args import (
+    DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_QUEUED_TOKENS,
+    REQUEST_CLASSES,
+)
 from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
 
 log = logging.getLogger("hlserve.server")
@@ -46,6 +66,65 @@ class RequestFailed(Exception):
     """A request the engine accepted and then could not finish (a failed step)."""
 
 
+@dataclass(frozen=True)
+class BridgeLimits:
+    """What the bridge refuses or ends (None: no limit)."""
+
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
+    max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
+    request_timeout_s: float | None = None  # arrival to finish, per engine request
+    engine_iteration_timeout_s: float = DEFAULT_ENGINE_ITERATION_TIMEOUT_S
+    retry_after_s: int = 1
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> BridgeLimits:
+        """From a ``ServerSettings`` (fields it lacks keep their defaults)."""
+        names = ("max_queued_requests", "max_queued_tokens", "request_timeout_s",
+                 "engine_iteration_timeout_s", "retry_after_s")
+        return cls(**{n: getattr(settings, n) for n in names if hasattr(settings, n)})
+
+
+class EventSink:
+    """The events of one HTTP request, filled by the engine thread (through the loop) and
+    read by its handler; a drop-in for the ``asyncio.Queue`` methods used here.
+
+    Control events (``added``, ``error``) are kept in order; of the cumulative outputs only
+    the latest per index is kept, so a reader that has not kept up finds one output with
+    everything produced meanwhile, and a stalled one holds O(1) outputs, not one per step.
+    Control events are read first: an error then supersedes its index's pending output."""
+
+    def __init__(self) -> None:
+        self._control: deque[Event] = deque()
+        self._outputs: dict[int, Event] = {}  # index -> latest ("output", index, out)
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, event: Event) -> None:
+        if event[0] == "output":
+            self._outputs[event[1]] = event
+        else:
+            self._control.append(event)
+        self._ready.set()
+
+    def qsize(self) -> int:
+        return len(self._control) + len(self._outputs)
+
+    def empty(self) -> bool:
+        return not self._control and not self._outputs
+
+    def get_nowait(self) -> Event:
+        if self._control:
+            return self._control.popleft()
+        if self._outputs:
+            return self._outputs.pop(next(iter(self._outputs)))
+        raise asyncio.QueueEmpty
+
+    async def get(self) -> Event:
+        while self.empty():
+            self._ready.clear()
+            await self._ready.wait()
+        return self.get_nowait()
+
+
 @dataclass(eq=False)
 class Submission:
     """One engine request of an HTTP request (a batch prompt gives several)."""
@@ -57,7 +136,7 @@ class Submission:
     priority: int
     arrival: float  # the engine clock's time when the HTTP request arrived
     index: int
-    sink: asyncio.Queue[Event]
+    sink: EventSink
     cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
 
 
@@ -77,18 +156,31 @@ class _Live:
 class _Commands:
     adds: list[list[Submission]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    fail_all: BaseException | None = None  # end everything in flight with this error
+
+
+def _prompt_tokens(sub: Submission) -> int:
+    # a text prompt counts its characters: never fewer than its tokens
+    return len(sub.prompt)
 
 
 class EngineBridge:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, idle_wait_s: float = 1.0) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, limits: BridgeLimits | None = None,
+                 idle_wait_s: float = 1.0) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.limits = limits or BridgeLimits()
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
         self._cmds = _Commands()
         self._pending = 0  # submitted, not yet added to the engine
+        self._pending_tokens = 0
         self._waiting = 0  # the engine's waiting queue, as of the last iteration
+        self._waiting_tokens = 0
         self._stopping = False
+        self._draining = False
+        self._beat = time.monotonic()  # the engine thread's last pass (for "wedged")
+        self._deadlines: list[tuple[float, str]] = []  # (engine-clock deadline, request id)
         self._dead: BaseException | None = None
         self._live: dict[str, _Live] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,23 +214,88 @@ class EngineBridge:
             return "the engine thread has exited"
         return None
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def health_problem(self) -> str | None:
-        """None while the engine serves; else why it does not (for ``/health``)."""
-        if self.alive:
-            return None
-        return self.dead_reason or "the engine is stopping"
+        """None while the engine serves; else why it does not (for ``/health``):
+        ``draining``, the reason the loop died, or ``engine wedged: ...`` when the loop has
+        not come round within the iteration timeout while requests are in flight."""
+        if self._draining:
+            return "draining"
+        if not self.alive:
+            return self.dead_reason or "the engine is stopping"
+        stalled = time.monotonic() - self._beat
+        if stalled > self.limits.engine_iteration_timeout_s and self.num_in_flight():
+            return (f"engine wedged: no engine step completed in {stalled:.0f}s while "
+                    f"{self.num_in_flight()} requests are in flight (limit "
+                    f"{self.limits.engine_iteration_timeout_s:g}s)")
+        return None
 
     def num_queued(self) -> int:
         """Requests waiting for the engine: submitted but not added, plus the engine's queue."""
         return self._pending + self._waiting
 
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of the requests :meth:`num_queued` counts."""
+        return self._pending_tokens + self._waiting_tokens
+
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and not yet ended (what a drain waits for)."""
+        return self._pending + len(self._live)
+
     # ---- commands (event-loop side; never block) -----------------------------------------
     def submit(self, subs: Sequence[Submission]) -> None:
+        """Hand requests to the engine thread, or raise: :class:`InvalidRequestError` for
+        one that could never fit a queue cap, :class:`ServiceUnavailableError` while
+        draining or while the queue is full, :class:`EngineDeadError` once the loop died."""
+        lim = self.limits
+        n, tokens = len(subs), sum(_prompt_tokens(s) for s in subs)
+        if lim.max_queued_requests is not None and n > lim.max_queued_requests:
+            raise InvalidRequestError(
+                f"this request has {n} prompts; the server queues at most "
+                f"{lim.max_queued_requests} (--max-queued-requests)")
+        if lim.max_queued_tokens is not None and tokens > lim.max_queued_tokens:
+            raise InvalidRequestError(
+                f"this request has {tokens} prompt tokens; the server queues at most "
+                f"{lim.max_queued_tokens} (--max-queued-tokens)")
         with self._cv:
+            if self._draining:
+                raise ServiceUnavailableError(
+                    "The server is shutting down and takes no new requests; retry (another "
+                    "replica)", code="draining", retry_after_s=lim.retry_after_s)
             if not self.alive:
                 raise EngineDeadError(f"the engine is not running ({self.dead_reason})")
+            self._check_queue(n, tokens)
             self._cmds.adds.append(list(subs))
-            self._pending += len(subs)
+            self._pending += n
+            self._pending_tokens += tokens
+            self._cv.notify()
+
+    def _check_queue(self, n: int, tokens: int) -> None:
+        lim = self.limits
+        queued, queued_tokens = self.num_queued(), self.num_queued_tokens()
+        if lim.max_queued_requests is not None and queued + n > lim.max_queued_requests:
+            what = f"{queued} requests are waiting (limit {lim.max_queued_requests})"
+        elif lim.max_queued_tokens is not None and queued_tokens + tokens > lim.max_queued_tokens:
+            what = (f"{queued_tokens} prompt tokens are waiting (limit "
+                    f"{lim.max_queued_tokens}); this request adds {tokens}")
+        else:
+            return
+        self.metrics.reject("queue_full")
+        raise ServiceUnavailableError(f"The server is overloaded: {what}; retry later",
+                                      code="queue_full", retry_after_s=lim.retry_after_s)
+
+    def start_drain(self) -> None:
+        """Take no new requests (``draining``); what is in flight runs on."""
+        with self._cv:
+            self._draining = True
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with ``error`` (an error event in each stream)."""
+        with self._cv:
+            self._cmds.fail_all = error
             self._cv.notify()
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -161,15 +318,17 @@ class EngineBridge:
     def _run(self) -> None:
         eng = self.engine
         while True:
+            self._beat = time.monotonic()
             with self._cv:
-                if not (self._cmds.adds or self._cmds.aborts or self._stopping
-                        or eng.has_unfinished()):
+                if not (self._cmds.adds or self._cmds.aborts or self._cmds.fail_all
+                        or self._stopping or eng.has_unfinished()):
                     self._cv.wait(self.idle_wait_s)
                 if self._stopping:
                     return
                 cmds, self._cmds = self._cmds, _Commands()
-            items: list[tuple[asyncio.Queue, Event]] = []
+            items: list[tuple[EventSink, Event]] = []
             self._handle(cmds, items)
+            self._expire(items)
             self._deliver(items)  # acks first: streams can start while the step runs
             if eng.has_unfinished():
                 items = []
@@ -189,6 +348,8 @@ class EngineBridge:
                         self._failed_steps = 0
                     self._count_request_counters()
                     self._on_outputs(outputs, items)
+                    if eng.stats.failed_steps > failed_before:
+                        self._reconcile(items)
                     if not outputs and eng.stats.steps == steps_before:
                         # nothing could be scheduled (should not happen): do not spin
                         with self._cv:
@@ -225,16 +386,53 @@ class EngineBridge:
                 self._live[sub.request_id] = _Live(sub, req, self.metrics.c[cls])
                 added.append(sub)
                 items.append((sub.sink, ("added", sub.index, None)))
+                if self.limits.request_timeout_s is not None:
+                    heapq.heappush(self._deadlines,
+                                   (sub.arrival + self.limits.request_timeout_s, sub.request_id))
             if failed:
                 for sub in added:  # undo the batch's accepted prompts
                     eng.abort(sub.request_id)
                     self._live.pop(sub.request_id, None)
             with self._cv:  # moved from pending to waiting in one go, for the queue cap
                 self._pending -= len(batch)
+                self._pending_tokens -= sum(_prompt_tokens(s) for s in batch)
                 self._waiting = len(eng.scheduler.waiting)
         for rid in cmds.aborts:
             if rid in self._live:
                 eng.abort(rid)  # pages go back now; the final output comes with the next step
+        if cmds.fail_all is not None:
+            for rid in list(self._live):
+                self._end_with(rid, cmds.fail_all, items, "abort")
+
+    def _end_with(self, rid: str, error: BaseException, items: list, reason: str) -> None:
+        """End a live request now with an error event (its pages go back at once)."""
+        live = self._live.pop(rid)
+        self.engine.abort(rid)
+        live.metrics.success[reason].inc()
+        items.append((live.sub.sink, ("error", live.sub.index, error)))
+
+    def _expire(self, items: list) -> None:
+        """End the requests whose deadline (arrival + request timeout) has passed."""
+        if not self._deadlines:
+            return
+        now = self.engine.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self._live:
+                self._end_with(rid, ServiceUnavailableError(
+                    f"The request did not finish within the server's request timeout "
+                    f"({self.limits.request_timeout_s:g}s, --request-timeout)",
+                    code="request_timeout"), items, "abort")
+
+    def _reconcile(self, items: list) -> None:
+        """After a step the engine failed: every live request it ended must have had its
+        final event; one that did not (an output lost in a failed step) gets an error now."""
+        for rid, live in list(self._live.items()):
+            if live.req.finished:
+                self._live.pop(rid)
+                live.metrics.success["error"].inc()
+                items.append((live.sub.sink, ("error", live.sub.index, RequestFailed(
+                    f"the engine failed on this request's step: {live.req.error}"))))
 
     def _on_outputs(self, outputs: list[RequestOutput], items: list) -> None:
         for out in outputs:
@@ -315,6 +513,7 @@ class EngineBridge:
             items.append((live.sub.sink, ("error", live.sub.index,
                                           RequestFailed(f"the engine failed on this request's "
                                                         f"batch: {type(exc).__name__}: {exc}"))))
+        self._reconcile(items)
         self.engine.scheduler.check_invariants()  # raises (and kills the loop) if broken
 
     def _publish_gauges(self) -> None:
@@ -330,8 +529,9 @@ class EngineBridge:
             self.metrics.c[cls].waiting.set(waiting)
         self.metrics.kv_usage.labels(self.metrics.model_name).set(self.engine.kv.usage)
         self._waiting = len(sched.waiting)
+        self._waiting_tokens = sum(r.num_prompt_tokens for r in sched.waiting)
 
-    def _deliver(self, items: list[tuple[asyncio.Queue, Event]]) -> None:
+    def _deliver(self, items: list[tuple[EventSink, Event]]) -> None:
         if not items or self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # the loop is closed: the server is going away
@@ -342,7 +542,7 @@ class EngineBridge:
             if self._dead is None:
                 self._dead = exc
             cmds, self._cmds = self._cmds, _Commands()
-            self._pending = 0
+            self._pending = self._pending_tokens = 0
         err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
             f"the engine loop died: {type(exc).__name__}: {exc}")
         items = [(live.sub.sink, ("error", live.sub.index, err)) for live in self._live.values()]
@@ -351,7 +551,7 @@ class EngineBridge:
         self._deliver(items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+def _put_all(items: list[tuple[EventSink, Event]]) -> None:
     for sink, event in items:
         sink.put_nowait(event)
 
@@ -359,8 +559,7 @@ def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
 class RequestGroup:
     """The engine requests of one HTTP request, seen from the event loop."""
 
-    def __init__(self, bridge: EngineBridge, subs: list[Submission],
-                 sink: asyncio.Queue[Event]) -> None:
+    def __init__(self, bridge: EngineBridge, subs: list[Submission], sink: EventSink) -> None:
         self.bridge = bridge
         self.subs = subs
         self.sink = sink
