@@ -19,6 +19,9 @@ What it does (following shared/PEERS.md, "vLLM (CPU build)"):
      ``VLLM_CPU_KVCACHE_SPACE=4 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_OMP_THREADS_BIND=0-1`` and
      tcmalloc + iomp preloaded (nearly twice its default speed here), its defaults otherwise
      (chunked prefill with a 2048-token budget on CPU, prefix caching on);
+   - ``vllm-hlserve``: the same vLLM with hlserve's scheduler plugin
+     (``--scheduler-cls hlserve.integrations.vllm.ThroughputScheduler
+     --max-num-batched-tokens <max-model-len>``; hlserve installed into vLLM's venv);
    - ``hlserve-throughput``: ``hlserve serve --mode throughput``;
    - ``hlserve-slo``: ``hlserve serve --mode slo`` (vLLM's policy: budget 2048 on CPU).
    All three: ``--dtype bfloat16 --max-model-len 4096``, token-id prompts, ``ignore_eos``,
@@ -58,6 +61,18 @@ def sh(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
+# vLLM with hlserve's throughput mode as its scheduler (docs/vllm.md); the budget's hard cap
+# is the model length so that greedy prefill can take any prompt in one step
+PLUGIN_ARGS = ["--scheduler-cls", "hlserve.integrations.vllm.ThroughputScheduler"]
+
+
+def ensure_plugin(py: Path) -> None:
+    """hlserve (this checkout) installed into vLLM's venv, where the plugin must import."""
+    if subprocess.run([str(py), "-c", "import hlserve.integrations.vllm"],
+                      capture_output=True).returncode != 0:
+        sh([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[vllm]"])
+
+
 def ensure_vllm(venv: Path) -> Path:
     py = venv / "bin" / "python"
     ok = py.exists() and subprocess.run(
@@ -93,7 +108,7 @@ def ensure_model(path: Path) -> Path:
 
 
 def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
-                kv_gib: int, threads: int = 2) -> ExternalServer:
+                kv_gib: int, threads: int = 2, plugin: bool = False) -> ExternalServer:
     bind = "0" if threads == 1 else f"0-{threads - 1}"
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_CPU_OMP_THREADS_BIND": bind}
@@ -104,6 +119,8 @@ def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
            "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--dtype", "bfloat16",
            "--max-model-len", str(max_len)]
+    if plugin:
+        cmd += [*PLUGIN_ARGS, "--max-num-batched-tokens", str(max_len)]
     return ExternalServer(cmd, "127.0.0.1", port, log, env, health_timeout=600)
 
 
@@ -118,7 +135,8 @@ def hlserve_server(model: Path, port: int, max_len: int, mode: str, log: Path,
 
 
 def parse_server(name: str) -> tuple[str, str | None, int | None]:
-    """``vllm``, ``vllm-1t``, ``hlserve-throughput``, ``hlserve-slo-1t``: (kind, mode,
+    """``vllm``, ``vllm-1t``, ``vllm-hlserve``, ``hlserve-throughput``, ``hlserve-slo-1t``:
+    (kind, mode,
     threads); no suffix: vLLM binds 2 threads (PEERS.md), hlserve takes torch's default."""
     parts = name.split("-")
     threads = None
@@ -126,10 +144,12 @@ def parse_server(name: str) -> tuple[str, str | None, int | None]:
         threads = int(parts.pop()[:-1])
     if parts == ["vllm"]:
         return "vllm", None, threads or 2
+    if parts == ["vllm", "hlserve"]:  # vLLM with hlserve's scheduler plugin
+        return "vllm", "hlserve", threads or 2
     if len(parts) == 2 and parts[0] == "hlserve" and parts[1] in ("throughput", "slo"):
         return "hlserve", parts[1], threads
-    raise SystemExit(f"unknown server {name!r}: vllm[-Nt] | hlserve-throughput[-Nt] | "
-                     "hlserve-slo[-Nt]")
+    raise SystemExit(f"unknown server {name!r}: vllm[-Nt] | vllm-hlserve[-Nt] | "
+                     "hlserve-throughput[-Nt] | hlserve-slo[-Nt]")
 
 
 def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen | None:
@@ -146,8 +166,9 @@ def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--servers", default="vllm,hlserve-throughput,hlserve-slo",
-                    help="in order: vllm[-Nt], hlserve-throughput[-Nt], hlserve-slo[-Nt]; -Nt: "
+    ap.add_argument("--servers", default="vllm,vllm-hlserve,hlserve-throughput,hlserve-slo",
+                    help="in order: vllm[-Nt], vllm-hlserve[-Nt] (vLLM with hlserve's scheduler "
+                         "plugin), hlserve-throughput[-Nt], hlserve-slo[-Nt]; -Nt: "
                          "N threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..N-1, default 2 as in "
                          "PEERS.md; hlserve: OMP_NUM_THREADS=N, default torch's)")
     ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "qwen2-0.5b-bf16")
@@ -171,6 +192,8 @@ def main() -> int:
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     py = ensure_vllm(args.vllm_venv) if any(parse_server(n)[0] == "vllm" for n in servers) \
         else None
+    if any(parse_server(n)[:2] == ("vllm", "hlserve") for n in servers):
+        ensure_plugin(py)
     model = ensure_model(args.model_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     spec = BenchSpec(base_url="", model="m", workload="agent", sessions=args.sessions,
@@ -185,10 +208,14 @@ def main() -> int:
     results: dict[str, dict] = {}
     for name in servers:
         port = free_port()
-        log = args.out / f"{name}.server.log"
+        # a server named again is a repeat (A B A B): its results are kept as name#2, ...
+        run = name if name not in results else \
+            f"{name}#{1 + sum(k.split('#')[0] == name for k in results)}"
+        log = args.out / f"{run}.server.log"
         kind, mode, threads = parse_server(name)
         if kind == "vllm":
-            srv = vllm_server(py, model, port, args.max_model_len, log, args.kv_gib, threads)
+            srv = vllm_server(py, model, port, args.max_model_len, log, args.kv_gib, threads,
+                              plugin=mode == "hlserve")
         else:
             srv = hlserve_server(model, port, args.max_model_len, mode, log, args.kv_gib,
                                  threads)
@@ -197,8 +224,8 @@ def main() -> int:
             print(f"\n== {name}: ready in {time.perf_counter() - t:.0f}s; warming up", flush=True)
             run_bench(replace(warm, base_url=srv.url, label=f"{name} warm-up"))
             cpu0 = srv.cpu_seconds()
-            res = run_bench(replace(spec, base_url=srv.url, label=name,
-                                    result_file=str(args.out / f"{name}.json")))
+            res = run_bench(replace(spec, base_url=srv.url, label=run,
+                                    result_file=str(args.out / f"{run}.json")))
             cpu1 = srv.cpu_seconds()
             if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
                 res["server_cpu_s"] = cpu1 - cpu0
@@ -218,7 +245,7 @@ def main() -> int:
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
                     spy.wait(60)
-        results[name] = res
+        results[run] = res
 
     print("\n" + table(results))
     (args.out / "summary.json").write_text(json.dumps(
