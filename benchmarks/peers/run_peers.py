@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -71,6 +72,41 @@ def ensure_plugin(py: Path) -> None:
     if subprocess.run([str(py), "-c", "import hlserve.integrations.vllm"],
                       capture_output=True).returncode != 0:
         sh([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[vllm]"])
+
+
+class PeakRSS:
+    """The peak resident memory of a server's whole process group (sum over its processes),
+    sampled every ``period`` seconds in a background thread while the ``with`` block runs."""
+
+    def __init__(self, pgrp: int, period: float = 0.5) -> None:
+        self.pgrp, self.period, self.peak = pgrp, period, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != self.pgrp:
+                    continue
+                total += int((stat.parent / "statm").read_text().split()[1]) * page
+            except (OSError, IndexError, ValueError):
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.peak = max(self.peak, self.sample())
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -222,11 +258,13 @@ def main() -> int:
         t = time.perf_counter()
         with srv:
             print(f"\n== {name}: ready in {time.perf_counter() - t:.0f}s; warming up", flush=True)
-            run_bench(replace(warm, base_url=srv.url, label=f"{name} warm-up"))
-            cpu0 = srv.cpu_seconds()
-            res = run_bench(replace(spec, base_url=srv.url, label=run,
-                                    result_file=str(args.out / f"{run}.json")))
-            cpu1 = srv.cpu_seconds()
+            with PeakRSS(srv.proc.pid) as mem:
+                run_bench(replace(warm, base_url=srv.url, label=f"{name} warm-up"))
+                cpu0 = srv.cpu_seconds()
+                res = run_bench(replace(spec, base_url=srv.url, label=run,
+                                        result_file=str(args.out / f"{run}.json")))
+                cpu1 = srv.cpu_seconds()
+            res["peak_rss_gib"] = mem.peak / 2**30
             if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
                 res["server_cpu_s"] = cpu1 - cpu0
                 res["tokens_per_server_cpu_s"] = (res["total_input_tokens"]
@@ -234,7 +272,7 @@ def main() -> int:
                 res["output_tokens_per_server_cpu_s"] = res["total_output_tokens"] / (cpu1 - cpu0)
             print(f"server CPU: {res.get('server_cpu_s', float('nan')):.0f} s "
                   f"({res.get('tokens_per_server_cpu_s', float('nan')):.0f} tokens per "
-                  f"CPU-second)", flush=True)
+                  f"CPU-second); peak RSS {res['peak_rss_gib']:.2f} GiB", flush=True)
             print(format_result(res), flush=True)
             if args.profile is not None and name.startswith("hlserve-"):
                 print(f"profiling {name} (unmeasured pass)", flush=True)
@@ -257,7 +295,7 @@ def main() -> int:
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 
 
-KEYS = ("duration", "server_cpu_s", "tokens_per_server_cpu_s", "completed", "failed", "total_input_tokens", "total_cached_tokens",
+KEYS = ("duration", "server_cpu_s", "peak_rss_gib", "tokens_per_server_cpu_s", "completed", "failed", "total_input_tokens", "total_cached_tokens",
         "total_output_tokens", "total_token_throughput", "output_throughput",
         "sessions_per_hour", "median_session_time_s", "p90_session_time_s",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -265,9 +303,9 @@ KEYS = ("duration", "server_cpu_s", "tokens_per_server_cpu_s", "completed", "fai
 
 def table(results: dict[str, dict]) -> str:
     lines = ["| server | total tok/s | output tok/s | tok per server CPU-s | session p50 / p90 (s) "
-             "| TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | failed | total tok/s vs vLLM | "
-             "session p50 vs vLLM | tok per CPU-s vs vLLM |",  # vLLM: the first vllm* server
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | peak RSS (GiB) | failed | "
+             "total tok/s vs vLLM | session p50 vs vLLM | tok per CPU-s vs vLLM |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # vs the first vllm*
     ref = next((r for n, r in results.items() if n.startswith("vllm")), {})
 
     def ratio(r: dict, key: str) -> str:
@@ -281,7 +319,8 @@ def table(results: dict[str, dict]) -> str:
             f"{'—' if cpu is None else f'{cpu:,.0f}'} | "
             f"{r['median_session_time_s']:.1f} / {r['p90_session_time_s']:.1f} | "
             f"{r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} | "
-            f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | {r['failed']} | "
+            f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | "
+            f"{r.get('peak_rss_gib', float('nan')):.2f} | {r['failed']} | "
             f"{ratio(r, 'total_token_throughput')} | {ratio(r, 'median_session_time_s')} | "
             f"{ratio(r, 'tokens_per_server_cpu_s')} |")
     return "\n".join(lines)

@@ -1,13 +1,19 @@
-"""Run on a CPU as vLLM's CPU build is run: tcmalloc preloaded, one OpenMP thread per core,
-each pinned to its core.
+"""The CPU runtime a server runs under: allocator and OpenMP threads, stated at start-up.
 
-Both must be in place before the process starts (the allocator is chosen by the dynamic
-loader, OpenMP reads its affinity once when torch loads it), so :func:`arrange` re-executes
-the current command once with the environment set, and says what it did. It changes nothing
-the user already set (``LD_PRELOAD``, ``OMP_NUM_THREADS``, ``GOMP_CPU_AFFINITY``,
-``KMP_AFFINITY``), nothing on a machine with a GPU, and nothing when ``HLSERVE_CPU_RUNTIME=0``.
+vLLM's CPU build is run with tcmalloc preloaded and one OpenMP thread pinned per core.
+hlserve can run the same way (``HLSERVE_CPU_RUNTIME=vllm``): :func:`arrange` then re-executes
+the command once with ``LD_PRELOAD`` (Debian's ``libtcmalloc-minimal4``), ``OMP_NUM_THREADS``
+and ``GOMP_CPU_AFFINITY`` set, since both must be in place before the process starts (the
+dynamic loader picks the allocator; OpenMP reads its affinity once, when torch loads it).
 
-Measured (benchmarks/peers, docs/bench.md "Engine speed"): see the table there.
+It is not the default because on this engine it measured slower: the agent workload of
+benchmarks/peers (16 sessions x 3 rounds, 0.5B shape, 2 cores), interleaved, two repeats each:
+912-922 total tok/s with glibc malloc (told to keep freed memory, runner/cpu_alloc.py) and
+torch's own threads, against 860-867 with tcmalloc and pinned threads and 878-879 with
+tcmalloc alone (docs/bench.md, "Engine speed"). By default the server states the runtime it
+has and changes nothing. Nothing is changed either on a machine with a GPU, or for a variable
+the user set (``LD_PRELOAD``, ``OMP_NUM_THREADS``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``,
+``OMP_PLACES``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import os
 import sys
 from pathlib import Path
 
-DONE = "HLSERVE_CPU_RUNTIME"  # set in the re-executed process (1) or by the user (0: off)
+CHOICE = "HLSERVE_CPU_RUNTIME"  # "default" (as it is) or "vllm" (tcmalloc, pinned threads)
+APPLIED = "HLSERVE_CPU_RUNTIME_APPLIED"  # set in the re-executed process
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
             "/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu")
@@ -37,9 +44,9 @@ def has_gpu() -> bool:
     return any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd"))
 
 
-def runtime_env(env: dict[str, str], cores: list[int], tcmalloc: str | None
-                ) -> dict[str, str]:
-    """What to add to ``env``: only the variables the user has not set themselves."""
+def vllm_like_env(env: dict[str, str], cores: list[int], tcmalloc: str | None
+                  ) -> dict[str, str]:
+    """What vLLM's CPU runtime adds to ``env``: only the variables the user has not set."""
     add: dict[str, str] = {}
     if tcmalloc and "tcmalloc" not in env.get("LD_PRELOAD", ""):
         add["LD_PRELOAD"] = ":".join(p for p in (tcmalloc, env.get("LD_PRELOAD")) if p)
@@ -53,30 +60,31 @@ def runtime_env(env: dict[str, str], cores: list[int], tcmalloc: str | None
 
 
 def arrange(device: str = "auto") -> None:
-    """Re-execute this command once with the CPU runtime set; return when nothing to do."""
-    if os.environ.get(DONE) == "1":
+    """State the CPU runtime; with ``HLSERVE_CPU_RUNTIME=vllm``, first re-execute this command
+    once under vLLM's. Returns when there is nothing (more) to do."""
+    on_cpu = device == "cpu" or (device == "auto" and not has_gpu())
+    choice = os.environ.get(CHOICE, "default")
+    if choice not in ("default", "vllm"):
+        raise ValueError(f"{CHOICE}={choice!r}: choose default or vllm")
+    if on_cpu and choice == "vllm" and os.environ.get(APPLIED) != "1":
+        add = vllm_like_env(dict(os.environ), sorted(os.sched_getaffinity(0)), find_tcmalloc())
+        if add:
+            argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
+            sys.stderr.write("hlserve: re-executing with vLLM's CPU runtime: "
+                             f"{' '.join(f'{k}={v}' for k, v in add.items())}\n")
+            sys.stderr.flush()
+            try:
+                os.execve(sys.executable, argv, {**os.environ, **add, APPLIED: "1"})
+            except OSError as e:  # carry on as we are: slower or faster, never wrong
+                sys.stderr.write(f"hlserve: could not re-execute ({e}); runtime unchanged\n")
+    if on_cpu:
         sys.stderr.write(f"hlserve: CPU runtime: {describe(os.environ)}\n")
-        return
-    if os.environ.get(DONE) == "0" or device not in ("auto", "cpu") or (
-            device == "auto" and has_gpu()):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    add = runtime_env(dict(os.environ), cores, find_tcmalloc())
-    if not add:
-        return
-    env = {**os.environ, **add, DONE: "1"}
-    argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
-    sys.stderr.write(f"hlserve: re-executing with the CPU runtime: "
-                     f"{' '.join(f'{k}={v}' for k, v in add.items())}\n")
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, argv, env)
-    except OSError as e:  # carry on as we are: slower, not wrong
-        sys.stderr.write(f"hlserve: CPU runtime not arranged ({e}); running with defaults\n")
 
 
 def describe(env: os._Environ[str] | dict[str, str]) -> str:
     preload = env.get("LD_PRELOAD", "")
-    alloc = "tcmalloc" if "tcmalloc" in preload else "glibc malloc"
-    return (f"{alloc}, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'default')}, "
-            f"affinity {env.get('GOMP_CPU_AFFINITY', env.get('KMP_AFFINITY', 'unpinned'))}")
+    alloc = "tcmalloc" if "tcmalloc" in preload else "glibc malloc (freed memory kept)"
+    pinned = env.get("GOMP_CPU_AFFINITY")
+    threads = f"pinned to {pinned}" if pinned else "unpinned"
+    return (f"{alloc}, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'torch default')}, "
+            f"threads {threads} ({CHOICE}={env.get(CHOICE, 'default')})")
