@@ -39,7 +39,7 @@ class Node:
     A plain slotted class, not a dataclass: a long prefill creates thousands per iteration
     and identity (not value) is what equality and hashing must mean here."""
 
-    __slots__ = ("children", "evicted", "key", "page", "parent", "ref")
+    __slots__ = ("children", "evicted", "key", "page", "parent", "ref", "version")
 
     def __init__(self, page: int, key: tuple, parent: Node | None, ref: int = 0) -> None:
         self.page = page
@@ -48,6 +48,8 @@ class Node:
         self.children: dict[tuple, Node] = {}
         self.ref = ref
         self.evicted = False  # out of the tree; ``parent`` is kept so matchers can climb back
+        self.version = 0  # children added so far: a matcher that found no child may skip
+        # looking again until this changes (LPM at thousands waiting)
 
 
 @dataclass
@@ -199,6 +201,7 @@ class KVCacheManager:
             if node is None:
                 node = Node(seq.pages[i], key, parent, 1)
                 parent.children[key] = node
+                parent.version += 1
                 self.num_tree_nodes += 1
             else:
                 # Another request computed the same page first: share its copy, free ours.

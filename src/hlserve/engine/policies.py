@@ -8,7 +8,6 @@ of each.
 from __future__ import annotations
 
 import abc
-import heapq
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,11 +43,12 @@ class PriorityOrder(OrderPolicy):
         return iter(sorted(waiting, key=lambda r: (r.priority, r.arrival_time)))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Match:
     num_tokens: int  # request length when the match began (grows after a retraction)
     node: Node  # deepest tree node matched so far
     depth: int  # pages matched
+    version: int = -1  # node.version when its next page was last looked up and not found
 
 
 class AgedPrefixOrder(OrderPolicy):
@@ -79,12 +79,15 @@ class AgedPrefixOrder(OrderPolicy):
         if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk,
             self._waited(waiting[0], step)  # but its wait counts from now, for aging
             return iter(waiting)
-        heap = []
-        for i, r in enumerate(waiting):
-            score = self.cached_tokens(r, step) + self.aging * self._waited(r, step)
-            heap.append((-score, r.arrival_time, i))
-        heapq.heapify(heap)
-        return (waiting[heapq.heappop(heap)[2]] for _ in range(len(heap)))
+        # one tight loop and one C-level sort: at 4,096 waiting, per-request Python calls and
+        # a heap pop per request were most of the pass (benchmarks/scheduler_overhead.py)
+        since, aging, cached = self._since, self.aging, self.cached_tokens
+        keys = []
+        for r in waiting:
+            waited = step - since.setdefault(r.request_id, step)
+            keys.append((-(cached(r, step) + aging * waited), r.arrival_time))
+        ranked = sorted(range(len(waiting)), key=keys.__getitem__)  # stable: ties by position
+        return (waiting[i] for i in ranked)
 
     def forget(self, req: Request) -> None:
         self._since.pop(req.request_id, None)
@@ -118,20 +121,26 @@ class LongestPrefixMatch(AgedPrefixOrder):
 
     def cached_tokens(self, req: Request, step: int) -> int:
         ps = self.kv.page_size
+        st = self._state.get(req.request_id)
+        if (st is not None and st.num_tokens == req.num_tokens and not st.node.evicted
+                and st.node.version == st.version):
+            return st.depth * ps  # no child added where the walk stopped: nothing new to find
         st = self._state_for(req, step)
         node, depth = st.node, st.depth
         while node.evicted:
             node, depth = node.parent, depth - 1  # type: ignore[assignment]
         # the last token is always recomputed, so never count a page that ends the request
         limit = (req.num_tokens - 1) // ps
+        version = -1
         while depth < limit:
             self.lookups += 1
             # keys are cut on demand: a page's tokens only when the walk reaches it
             child = self.kv.child(node, req.tokens(depth * ps, (depth + 1) * ps), req.cache_salt)
             if child is None:
+                version = node.version
                 break
             node, depth = child, depth + 1
-        st.node, st.depth = node, depth
+        st.node, st.depth, st.version = node, depth, version
         return depth * ps
 
     def forget(self, req: Request) -> None:
