@@ -10,12 +10,13 @@ from tqdm import tqdm
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
 from hlserve.engine.presets import resolve_options
-from hlserve.errors import InvalidRequestError
+from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.request import RequestOutput, SamplingParams
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+MAX_IDLE_PASSES = 1000
 
 
 def make_config(model: str, **engine_options: Any) -> EngineConfig:
@@ -60,12 +61,20 @@ class LLM:
         order = {r.request_id: i for i, r in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)
         bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2)
+        idle = 0  # passes in a row that neither ran a step nor ended a request
         with bar:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                steps = self.engine.stats.steps
+                outs = self.engine.step()
+                for out in outs:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                idle = 0 if outs or self.engine.stats.steps > steps else idle + 1
+                if idle >= MAX_IDLE_PASSES:  # a scheduler bug must not hang the caller
+                    raise EngineDeadError(
+                        f"the engine made no progress in {idle} passes with "
+                        f"{len(self.engine.scheduler.waiting)} requests waiting")
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
