@@ -74,6 +74,8 @@ log = logging.getLogger("hlserve.server")
 
 KEY_SCOPE = "hlserve.api_key"  # the ApiKey the auth middleware accepted
 OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized in a thread
+HEAD_CHARS_PER_TOKEN = 32  # prompts longer than this x the context are tokenized in part first
+HEAD_MARGIN = 16  # tokens a cut can add at its end: a part over context + this is over for sure
 OPEN_PATHS = frozenset({"/health", "/ping", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
 
@@ -426,11 +428,30 @@ async def encode_prompts(st: ServerState, prompts: list[str | list[int]],
         raise no_tokenizer("send the prompt as token ids")
 
     def run() -> list[list[int]]:
-        return [p if isinstance(p, list) else tok.encode(p, True) for p in prompts]
+        return [p if isinstance(p, list) else encode_bounded(tok, p, st.max_model_len)
+                for p in prompts]
 
     if offload or sum(map(len, texts)) > OFFLOAD_CHARS:
         return await asyncio.to_thread(run)
     return run()
+
+
+def encode_bounded(tok: Tokenizer, text: str, max_model_len: int) -> list[int]:
+    """``text``'s ids; a text far longer than the context is tokenized in part first, and
+    refused if that part alone is over the context: the work a prompt costs is bounded by
+    the context, not by the body size. (Tokenizing holds the GIL for long stretches, so a
+    worker thread alone does not keep a multi-megabyte prompt from stalling the event loop.)
+    """
+    limit = HEAD_CHARS_PER_TOKEN * max_model_len
+    if len(text) > limit:
+        head = tok.encode(text[:limit], True)
+        if len(head) > max_model_len + HEAD_MARGIN:
+            raise ApiError(400, f"This model's maximum context length is {max_model_len} "
+                           f"tokens. However, the prompt has more than "
+                           f"{len(head) - HEAD_MARGIN} tokens in its first {limit} characters "
+                           f"alone ({len(text)} in all). Please reduce the length of the "
+                           "prompt.", param="prompt", code="context_length_exceeded")
+    return tok.encode(text, True)
 
 
 async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool) -> list[int]:
