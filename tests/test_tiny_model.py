@@ -247,7 +247,7 @@ def test_bfloat16_is_the_rounded_float32_model(tmp_path: Path, model_dirs: dict[
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"arch": "gpt2"}, {"size": "7b"}, {"dtype": "int8"}], ids=["arch", "size", "dtype"]
+    "kwargs", [{"arch": "gpt2"}, {"size": "13b"}, {"dtype": "int8"}], ids=["arch", "size", "dtype"]
 )
 def test_rejects_unknown_choices(tmp_path: Path, kwargs: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="unknown"):
