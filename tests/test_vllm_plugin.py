@@ -113,6 +113,23 @@ def _preemptions(url: str) -> float:
     return 0.0
 
 
+def _gauge(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_for(url: str, name: str, at_least: float, timeout: float = 60.0) -> None:
+    """Poll a vLLM gauge until it reaches ``at_least`` (a load-independent ordering of the
+    phases, where fixed sleeps raced on a busy machine)."""
+    end = time.monotonic() + timeout
+    while _gauge(url, name) < at_least:
+        assert time.monotonic() < end, f"{name} never reached {at_least}"
+        time.sleep(0.02)
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     """Distinct token-id prompts (ids in the tiny vocabulary, none special)."""
     return [3 + (seed * 7919 + i * 131) % 4000 for i in range(n)]
@@ -140,13 +157,14 @@ def lpm_phase(url: str) -> None:
     warm = _tokens(40, 2048)
     _complete(url, warm + _tokens(41, 64), 1, "warmup")
     with ThreadPoolExecutor(9) as ex:
-        blockers = [ex.submit(_complete, url, _tokens(50 + i, 256), 150 + 50 * i, f"block{i}")
+        blockers = [ex.submit(_complete, url, _tokens(50 + i, 256), 300 + 50 * i, f"block{i}")
                     for i in range(MAX_SEQS)]
-        time.sleep(0.5)
+        _wait_for(url, "vllm:num_requests_running", MAX_SEQS)
         later = []
         for i in range(3):
             later.append(ex.submit(_complete, url, _tokens(60 + i, 2100), 4, f"cold{i}"))
             time.sleep(0.05)
+        _wait_for(url, "vllm:num_requests_waiting", 3)
         for i in range(2):
             later.append(ex.submit(_complete, url, warm + _tokens(70 + i, 52), 4, f"warm{i}"))
             time.sleep(0.05)
