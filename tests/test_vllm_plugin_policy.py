@@ -39,6 +39,9 @@ def test_options_from_env_and_additional_config_which_wins() -> None:
     assert o.lpm_aging == 8.0 and o.interactive_chunk_size is None
     assert o.budget_max is None and o.trace == "/tmp/t.jsonl"
     assert parse_options(None, {}) == PluginOptions()
+    # where vLLM's environment is (set by .ci/run, inherited by vLLM) is not an option
+    assert parse_options(None, {"HLSERVE_VLLM_PYTHON": "/venv/bin/python",
+                                "HLSERVE_VLLM_VENV": "/venv"}) == PluginOptions()
 
 
 @pytest.mark.parametrize("additional, env, match", [

@@ -136,6 +136,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginOptions)}
 
 
+# HLSERVE_VLLM_* names that are not plugin options: where vLLM's environment is (.ci/run and
+# tests/test_vllm_plugin.py set them, and vLLM's process inherits them)
+NOT_OPTIONS = frozenset({"PYTHON", "VENV"})
+
+
 def parse_options(additional_config: Mapping[str, Any] | None,
                   environ: Mapping[str, str] | None = None) -> PluginOptions:
     """Options from ``HLSERVE_VLLM_<NAME>`` environment variables, then from vLLM's
@@ -147,7 +152,8 @@ def parse_options(additional_config: Mapping[str, Any] | None,
         if (raw := environ.get(ENV_PREFIX + name.upper())) is not None:
             values[name] = _convert(name, parse, raw, f"${ENV_PREFIX}{name.upper()}")
     unknown_env = sorted(k for k in environ if k.startswith(ENV_PREFIX)
-                         and k[len(ENV_PREFIX):].lower() not in _PARSERS)
+                         and k[len(ENV_PREFIX):].lower() not in _PARSERS
+                         and k[len(ENV_PREFIX):] not in NOT_OPTIONS)
     if unknown_env:
         raise ValueError(f"unknown hlserve option(s) {unknown_env}; known: "
                          f"{', '.join(ENV_PREFIX + n.upper() for n in _PARSERS)}")
