@@ -84,7 +84,9 @@ class TorchRunner(Runner):
                 positions.extend(rng)
                 slots.extend([table[p // ps] * ps + p % ps for p in rng])
             seg = Segment(t0, len(ids), seq.start)
-            if seq.start > 0:  # reads its context back through its pages
+            # a sequence with context reads it back through its pages, in the per-layer
+            # gather; decodes batched into one padded call gather their own
+            if seq.start > 0 and not (self.batched_decode and seq.is_decode):
                 seg.page_lo = len(ctx_pages)
                 ctx_pages.extend(table[: -(-seq.end // ps)])
                 seg.page_hi = len(ctx_pages)
@@ -100,16 +102,19 @@ class TorchRunner(Runner):
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
     def _padded_decodes(self, batch: Batch, segments: list[Segment]) -> PaddedDecodes | None:
-        rows = [seg.start for seg in segments if seg.num_new == 1 and seg.context_len > 0]
-        if not rows:
+        decodes = [(seg.start, seq) for seq, seg in zip(batch.seqs, segments, strict=True)
+                   if seq.is_decode]
+        if not decodes:
             return None
-        decodes = [s for s in batch.seqs if s.is_decode]
-        width = max(-(-s.end // self.page_size) for s in decodes)
-        pages = [s.page_table[:width] + [0] * (width - len(s.page_table[:width]))
-                 for s in decodes]
+        width = max(-(-seq.end // self.page_size) for _, seq in decodes)
+        pages = []
+        for _, seq in decodes:
+            table = seq.page_table[:width]
+            pages.append(table + [0] * (width - len(table)))
         dev = self.device
-        return PaddedDecodes(torch.tensor(rows, device=dev), torch.tensor(pages, device=dev),
-                             torch.tensor([s.end for s in decodes], device=dev))
+        return PaddedDecodes(torch.tensor([row for row, _ in decodes], device=dev),
+                             torch.tensor(pages, device=dev),
+                             torch.tensor([seq.end for _, seq in decodes], device=dev))
 
     # ---- execute ------------------------------------------------------------------------
     @torch.inference_mode()
