@@ -145,6 +145,7 @@ def test_a_huge_prompt_costs_what_the_context_does(server, http) -> None:
     text = "lorem ipsum dolor sit amet " * (8 * 1024 * 1024 // 27)
     latencies: list[float] = []
     done = threading.Event()
+    polling = threading.Event()
 
     def poll() -> None:
         with httpx.Client(base_url=server.url, timeout=30) as c:
@@ -152,10 +153,15 @@ def test_a_huge_prompt_costs_what_the_context_does(server, http) -> None:
                 t0 = time.monotonic()
                 assert c.get("/health").status_code == 200
                 latencies.append(time.monotonic() - t0)
+                polling.set()
                 time.sleep(0.01)
 
     poller = threading.Thread(target=poll)
     poller.start()
+    # The poller must be polling before the request goes out: when the 400 comes back fast
+    # (as it should), a poller still building its client made no poll at all and the check
+    # below had nothing to check.
+    assert polling.wait(10)
     t0 = time.monotonic()
     try:
         r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 4})
