@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # runs from a checkout without installing
 
 from hlserve import LLM, SamplingParams  # noqa: E402
+from hlserve.engine.batch import Batch, ScheduledSeq  # noqa: E402
 from hlserve.models.tiny import make_tiny_model  # noqa: E402
 from hlserve.request import Request  # noqa: E402
-from hlserve.runner.base import Batch, ScheduledSeq  # noqa: E402
 
 
 def sync(device: str) -> None:

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from hlserve.config import EngineConfig
+from hlserve.engine.batch import Batch, ScheduledSeq
 from hlserve.models import llama
 from hlserve.request import Request, SamplingParams
-from hlserve.runner.base import Batch, ScheduledSeq
 from hlserve.runner.torch_runner import TorchRunner
 
 

@@ -9,8 +9,8 @@ clock without timing flakiness.
 
 from __future__ import annotations
 
+from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.models.config import ModelConfig
-from hlserve.runner.base import Batch, Runner, StepResult
 
 VOCAB = 8
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hlserve.config import EngineConfig
+from hlserve.engine.batch import Batch, StepResult
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError
 from hlserve.request import SamplingParams
-from hlserve.runner.base import Batch, StepResult
 from support import HistoryRunner
 
 POISON = 7

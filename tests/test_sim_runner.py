@@ -10,9 +10,9 @@ from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.scheduler import Scheduler
 from hlserve.request import SamplingParams
-from hlserve.runner.sim_runner import SimRunner
 from hlserve.sim.build import build_sim_engine, sim_config
 from hlserve.sim.drive import run_agent_steady
+from hlserve.sim.runner import SimRunner
 
 SMALL = dict(sessions=6, rounds=3, system_prompt_len=2048, task_len=128,
              tool_output_len=(500, 2000), output_len=(20, 60), vocab=(3, 150000), seed=3)

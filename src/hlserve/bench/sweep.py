@@ -8,7 +8,7 @@ next). Three ways to run a point:
 - **in-process hlserve, real runner** (default): ``build_engine(model, **base, chunk_size=C,
   token_budget=B)``, driven directly (no HTTP), timed on the wall clock;
 - **in-process hlserve, simulated runner** (``--sim HARDWARE``): the same scheduler on the
-  cost model of a GPU (``hlserve.runner.sim_runner``), timed on the virtual clock;
+  cost model of a GPU (``hlserve.sim.runner``), timed on the virtual clock;
 - **an external server per point** (``--server-cmd TEMPLATE``): the template is formatted
   with ``{model} {host} {port} {chunk_size} {token_budget} {label} {args}``, started in its
   own process group, waited for (``GET /health`` answers 200), benchmarked over HTTP with

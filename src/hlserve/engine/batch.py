@@ -1,4 +1,6 @@
-"""The seam between the scheduler and whatever executes a batch (real model or cost model)."""
+"""The seam between the scheduler and whatever executes a batch: the batch and result types
+and the ``Runner`` interface, which the real runner (``runner/``) and the simulated one
+(``sim/``) implement. The engine owns this interface; runners import it, never the reverse."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ class ScheduledSeq:
 
 @dataclass
 class Batch:
+    """One iteration's work: the scheduled sequences, in the order the scheduler chose."""
+
     seqs: list[ScheduledSeq] = field(default_factory=list)
 
     @property
@@ -63,6 +67,9 @@ class StepResult:
 
 
 class Runner(abc.ABC):
+    """What executes a batch. The engine receives one (built by whoever builds the engine)
+    and knows it only through this interface."""
+
     model_config: ModelConfig
     num_pages: int
     page_size: int

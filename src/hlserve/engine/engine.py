@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlserve.config import EngineConfig
+from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.presets import describe_caps
 from hlserve.engine.scheduler import Scheduler
@@ -27,7 +28,6 @@ from hlserve.request import (
     SamplingParams,
     TokenLogprobs,
 )
-from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")

@@ -26,6 +26,7 @@ import math
 from collections.abc import Iterator
 
 from hlserve.config import EngineConfig
+from hlserve.engine.batch import Batch, ScheduledSeq
 from hlserve.engine.kv_cache import KVCacheManager, Node
 from hlserve.engine.policies import (
     Admit,
@@ -38,7 +39,6 @@ from hlserve.engine.policies import (
     make_retraction,
 )
 from hlserve.request import Request, RequestClass, RequestStatus
-from hlserve.runner.base import Batch, ScheduledSeq
 
 INTERACTIVE = RequestClass.INTERACTIVE
 # SGLang's estimate of how much of its max_tokens a running request will still use

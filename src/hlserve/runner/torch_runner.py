@@ -8,12 +8,12 @@ import time
 import torch
 
 from hlserve.config import EngineConfig
+from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.models.attention import AttentionMetadata, PaddedDecodes, Segment, kv_cache_shape
 from hlserve.models.config import ModelConfig
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
-from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.runner.cpu_alloc import keep_freed_memory
 
 log = logging.getLogger("hlserve.runner")

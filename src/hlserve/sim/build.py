@@ -7,8 +7,8 @@ from typing import Any
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.presets import DeviceInfo, resolve_options
-from hlserve.runner.sim_runner import SimRunner
 from hlserve.sim.hardware import Hardware, get_hardware
+from hlserve.sim.runner import SimRunner
 
 RUNNER_OPTIONS = ("mem_util", "reserve_gib", "eos_rate")
 

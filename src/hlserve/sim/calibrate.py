@@ -32,9 +32,9 @@ import numpy as np
 
 from hlserve.bench.workloads import AgentWorkload
 from hlserve.config import EngineConfig
+from hlserve.engine.batch import Batch, Runner, ScheduledSeq, StepResult
 from hlserve.models.config import ModelConfig
 from hlserve.request import Request, SamplingParams
-from hlserve.runner.base import Batch, Runner, ScheduledSeq, StepResult
 from hlserve.sim.cost import CostModel, IterationShape, shape_of
 from hlserve.sim.fitting import OpSamples, fit_gemm, nnls_relative
 from hlserve.sim.hardware import Hardware
@@ -469,7 +469,7 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
               engine_options: dict[str, Any] | None, device: str) -> dict[str, Any]:
     from hlserve.bench.driver import run_agent_sessions
     from hlserve.engine.engine import Engine, VirtualClock
-    from hlserve.runner.sim_runner import SimRunner
+    from hlserve.sim.runner import SimRunner
 
     workload = workload or AgentWorkload(**FIDELITY_WORKLOAD)
     opts = {**(engine_options or FIDELITY_OPTIONS), "device": device}

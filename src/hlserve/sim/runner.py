@@ -19,7 +19,7 @@ overrides it; a calibrated CPU profile (no device memory) sizes the pool from
 from __future__ import annotations
 
 from hlserve.config import EngineConfig
-from hlserve.runner.base import Batch, Runner, StepResult
+from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.sim.cost import CostModel, shape_of
 from hlserve.sim.hardware import GIB, Hardware, get_hardware
 from hlserve.sim.models import resolve_model
