@@ -54,7 +54,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(batch))
         for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
             try:
-                self.engine._validate(self.engine._prompt_ids(prompt), p)
+                self.engine.check_request(prompt, p)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
         reqs = [self.engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
@@ -74,7 +74,7 @@ class LLM:
                 if idle >= MAX_IDLE_PASSES:  # a scheduler bug must not hang the caller
                     raise EngineDeadError(
                         f"the engine made no progress in {idle} passes with "
-                        f"{len(self.engine.scheduler.waiting)} requests waiting")
+                        f"{len(self.engine.waiting)} requests waiting")
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 

@@ -34,6 +34,26 @@ log = logging.getLogger("hlserve.engine")
 MAX_CONSECUTIVE_FAILURES = 3  # then the runner is broken, not one batch: the engine is dead
 
 
+class FailureStreak:
+    """The one rule for when failures mean the engine is broken rather than one batch:
+    ``MAX_CONSECUTIVE_FAILURES`` failures in a row with no batch run in between. A failure is
+    a forward that fails for every sequence, or a step that raises (inside the engine or in
+    the loop that drives it); a batch that runs ends the streak."""
+
+    def __init__(self, limit: int = MAX_CONSECUTIVE_FAILURES) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def reset(self) -> None:
+        self.count = 0
+
+    def record(self, what: str, exc: BaseException) -> None:
+        """Count one failure; raises :class:`EngineDeadError` once the streak is long enough."""
+        self.count += 1
+        if self.count >= self.limit:
+            raise EngineDeadError(f"{self.count} {what} failed in a row; last: {exc}") from exc
+
+
 class VirtualClock:
     """Simulated time: advanced by each step's predicted duration instead of the wall."""
 
@@ -83,7 +103,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished: list[Request] = []  # ended outside a step (aborts), reported next step
         self.stats = EngineStats()
-        self._consecutive_failures = 0
+        self.failures = FailureStreak()
         self.default_eos = frozenset(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
 
     # ---- intake -------------------------------------------------------------------------
@@ -98,8 +118,7 @@ class Engine:
         cache_salt: str | None = None,
     ) -> Request:
         params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
-        self._validate(ids, params)
+        ids = self.check_request(prompt, params)
         req = Request(
             prompt_token_ids=ids,
             params=params,
@@ -119,7 +138,16 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids if the engine would accept the request; raises
+        :class:`InvalidRequestError` if not. Nothing is submitted (callers check a whole
+        batch before adding any of it)."""
+        ids = self.prompt_ids(prompt)
+        self.validate(ids, params)
+        return ids
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt (text, or token ids) as checked token ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send token ids")
@@ -136,7 +164,8 @@ class Engine:
                     raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
         return ids
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raises :class:`InvalidRequestError` if the engine cannot serve these ids/params."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # again: a frozen dataclass can still be changed behind its back
@@ -163,6 +192,45 @@ class Engine:
             return False
         self._finish(req, FinishReason.ABORT)
         return True
+
+    # ---- read-only state: what the server's gauges and counters show ------------------
+    @property
+    def running(self) -> Sequence[Request]:
+        """Running requests, in admission order (read them, do not change them)."""
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """Requests waiting for admission (read them, do not change them)."""
+        return self.scheduler.waiting
+
+    @property
+    def num_retractions(self) -> int:
+        """Retractions (vLLM: preemptions) since start."""
+        return self.scheduler.num_retractions
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool held by live requests (vLLM's ``kv_cache_usage_perc``)."""
+        return self.kv.usage
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.kv.num_pages * self.kv.page_size
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since start (vLLM's meaning)."""
+        return self.kv.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens found cached."""
+        return self.kv.prefix_hits
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the KV accounting does not balance."""
+        self.scheduler.check_invariants()
 
     # ---- the loop -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -254,7 +322,7 @@ class Engine:
         except Exception as e:
             exc = e
         else:
-            self._consecutive_failures = 0
+            self.failures.reset()
             return batch, result
         ok, failed = self._bisect(batch.seqs, exc)
         self.stats.failed_steps += 1
@@ -265,13 +333,9 @@ class Engine:
                 self._finish(seq.request, FinishReason.ERROR, error=f"the forward failed: {err}")
                 touched.append(seq.request)
         if ok:
-            self._consecutive_failures = 0
+            self.failures.reset()
         else:
-            self._consecutive_failures += 1
-            if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-                raise EngineDeadError(
-                    f"{self._consecutive_failures} forwards failed in a row; last: {exc}"
-                ) from exc
+            self.failures.record("forwards", exc)
         seqs = [seq for sub, _ in ok for seq in sub.seqs]
         merged = StepResult(tokens={}, elapsed=0.0)
         for _, res in ok:
@@ -305,7 +369,6 @@ class Engine:
         final output and nothing holds pages; then the accounting must balance."""
         log.error("an engine step failed outside the forward: %s", exc, exc_info=True)
         self.stats.failed_steps += 1
-        self._consecutive_failures += 1
         sched, kv = self.scheduler, self.kv
         victims = {s.request.request_id: s.request for s in sched.last_scheduled()}
         queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
@@ -340,10 +403,7 @@ class Engine:
         except AssertionError as broken:
             raise EngineDeadError(f"the KV accounting is broken after a failed step ({exc}): "
                                   f"{broken}") from exc
-        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise EngineDeadError(
-                f"{self._consecutive_failures} engine steps failed in a row; last: {exc}"
-            ) from exc
+        self.failures.record("engine steps", exc)
 
     def _append(self, req: Request, token: int, now: float,
                 logprobs: TokenLogprobs | None = None) -> None:

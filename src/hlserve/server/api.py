@@ -100,7 +100,7 @@ class ServerState:
         self.model_path = model_path  # for the start-up line only: never sent to clients
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.pool_tokens = engine.kv.num_pages * engine.kv.page_size
+        self.pool_tokens = engine.kv_pool_tokens
         # reported: --served-model-name, else the directory's base name (not its path);
         # accepted besides: the model argument as given, which clients may already use
         self.model_names = settings.served_model_names or (served_name(model_path),)

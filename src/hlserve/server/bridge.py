@@ -21,8 +21,9 @@ in one dedicated thread that owns it outright: nothing else calls into the engin
   while work is in flight ("engine wedged").
 - **Faults**: a request the engine rejects fails alone (``error`` event, 400). The engine
   fails a request whose forward or output processing raises alone, and recovers from a step
-  that raises outside the forward (each request it touched ends with an error); three failed
-  steps in a row, or any error outside a step, kill the loop: every pending request gets
+  that raises outside the forward (each request it touched ends with an error); the engine's
+  :class:`~hlserve.engine.engine.FailureStreak` (three failures in a row, counting steps that
+  raise out of ``step()`` here), or any error outside a step, kill the loop: every pending request gets
   :class:`EngineDeadError`, ``/health`` answers 503, and the server process exits non-zero
   so that a supervisor restarts it.
 - **Drain** (``start_drain``, SIGTERM): new requests get ``ServiceUnavailableError``
@@ -56,8 +57,6 @@ from hlserve.server.args import (
 from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
 
 log = logging.getLogger("hlserve.server")
-
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 Event = tuple[str, int, Any]  # (kind, index, payload)
 
@@ -185,7 +184,6 @@ class EngineBridge:
         self._live: dict[str, _Live] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._failed_steps = 0
         self._last_totals = (0, 0)  # retractions, prefix-cache queries: engine totals seen
 
     # ---- lifecycle (event-loop side) -------------------------------------------------------
@@ -344,8 +342,6 @@ class EngineBridge:
                     if eng.stats.failed_steps > failed_before:  # the engine failed a batch
                         self.metrics.engine_step_errors.labels(self.metrics.model_name).inc(
                             eng.stats.failed_steps - failed_before)
-                    if eng.stats.steps > steps_before:  # a batch ran: the failure streak ends
-                        self._failed_steps = 0
                     self._count_request_counters()
                     self._on_outputs(outputs, items)
                     if eng.stats.failed_steps > failed_before:
@@ -396,7 +392,7 @@ class EngineBridge:
             with self._cv:  # moved from pending to waiting in one go, for the queue cap
                 self._pending -= len(batch)
                 self._pending_tokens -= sum(_prompt_tokens(s) for s in batch)
-                self._waiting = len(eng.scheduler.waiting)
+                self._waiting = len(eng.waiting)
         for rid in cmds.aborts:
             if rid in self._live:
                 eng.abort(rid)  # pages go back now; the final output comes with the next step
@@ -480,7 +476,7 @@ class EngineBridge:
     def _count_request_counters(self) -> None:
         """Per-class preemptions and prefix-cache queries/hits. The engine counts them on each
         request; the live requests are scanned only in a step that changed a total."""
-        totals = (self.engine.scheduler.num_retractions, self.engine.kv.prefix_queries)
+        totals = (self.engine.num_retractions, self.engine.prefix_cache_queries)
         if totals == self._last_totals:
             return
         self._last_totals = totals
@@ -499,11 +495,8 @@ class EngineBridge:
         accounting still holds."""
         log.error("an engine step failed: %s", exc, exc_info=True)
         self.metrics.engine_step_errors.labels(self.metrics.model_name).inc()
-        self._failed_steps += 1
-        if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
-            raise EngineDeadError(f"{self._failed_steps} engine steps failed in a row; "
-                                  f"the last: {exc}") from exc
-        running = {r.request_id for r in self.engine.scheduler.running}
+        self.engine.failures.record("engine steps", exc)  # raises once the engine is broken
+        running = {r.request_id for r in self.engine.running}
         for rid in list(self._live):
             if rid not in running:
                 continue
@@ -514,12 +507,12 @@ class EngineBridge:
                                           RequestFailed(f"the engine failed on this request's "
                                                         f"batch: {type(exc).__name__}: {exc}"))))
         self._reconcile(items)
-        self.engine.scheduler.check_invariants()  # raises (and kills the loop) if broken
+        self.engine.check_invariants()  # raises (and kills the loop) if broken
 
     def _publish_gauges(self) -> None:
-        sched = self.engine.scheduler
+        eng = self.engine
         counts = {cls: [0, 0] for cls in REQUEST_CLASSES}
-        for i, queue in enumerate((sched.running, sched.waiting)):
+        for i, queue in enumerate((eng.running, eng.waiting)):
             for r in queue:
                 cls = getattr(r.request_class, "value", r.request_class)
                 if cls in counts:
@@ -527,9 +520,9 @@ class EngineBridge:
         for cls, (running, waiting) in counts.items():
             self.metrics.c[cls].running.set(running)
             self.metrics.c[cls].waiting.set(waiting)
-        self.metrics.kv_usage.labels(self.metrics.model_name).set(self.engine.kv.usage)
-        self._waiting = len(sched.waiting)
-        self._waiting_tokens = sum(r.num_prompt_tokens for r in sched.waiting)
+        self.metrics.kv_usage.labels(self.metrics.model_name).set(eng.kv_usage)
+        self._waiting = len(eng.waiting)
+        self._waiting_tokens = sum(r.num_prompt_tokens for r in eng.waiting)
 
     def _deliver(self, items: list[tuple[EventSink, Event]]) -> None:
         if not items or self._loop is None:
