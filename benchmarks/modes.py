@@ -18,7 +18,7 @@ import torch
 
 from hlserve.bench.driver import compare_configs, format_comparison
 from hlserve.bench.workloads import AgentWorkload
-from hlserve.cli import default_model
+from hlserve.models.default_model import default_model
 
 CONFIGS: dict[str, dict[str, object]] = {
     "throughput": {"mode": "throughput"},

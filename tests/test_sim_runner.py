@@ -10,7 +10,7 @@ from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.scheduler import Scheduler
 from hlserve.request import SamplingParams
-from hlserve.sim.build import build_sim_engine, sim_config
+from hlserve.sim.build import SimOptions, build_sim_engine, sim_config
 from hlserve.sim.drive import run_agent_steady
 from hlserve.sim.runner import SimRunner
 
@@ -69,7 +69,7 @@ def test_tokens_avoid_eos_unless_asked() -> None:
     eos = set(runner.model_config.eos_token_ids)
     toks = {runner._token(last, pos) for last in range(50) for pos in range(200)}
     assert not toks & eos and len(toks) > 9000
-    engine = build_sim_engine("Qwen2.5-0.5B", "H100", 1, eos_rate=0.2)
+    engine = build_sim_engine("Qwen2.5-0.5B", "H100", 1, sim=SimOptions(eos_rate=0.2))
     req = engine.add_request(list(range(100, 400)), SamplingParams(max_tokens=500, temperature=0))
     while engine.has_unfinished():
         engine.step()

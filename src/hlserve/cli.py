@@ -4,86 +4,14 @@ study."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from hlserve.config import (
-    ADMISSIONS,
-    BUDGET_CONTROLLERS,
-    MIXING,
-    ORDERS,
-    REQUEST_CLASSES,
-    RETRACTIONS,
-    EngineConfig,
-)
-from hlserve.engine.presets import MODES, PRESETS
-from hlserve.errors import HLServeError
-
-DEFAULT_MODEL_HOME = Path(os.environ.get("HLSERVE_HOME", Path.home() / ".cache" / "hlserve"))
-
-# engine option -> (flag, help); vLLM's flag names where vLLM has the same knob
-ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
-    "dtype": (["--dtype"], "auto | float32 | bfloat16 | float16"),
-    "device": (["--device"], "auto | cpu | cuda | cuda:N"),
-    "seed": (["--seed"], "seed of the sampler for requests without their own seed"),
-    "cpu_threads": (["--cpu-threads"], "torch threads on a CPU (unset: torch's choice)"),
-    "page_size": (["--page-size", "--block-size"], "tokens per KV page"),
-    "num_pages": (["--num-pages", "--num-gpu-blocks-override"], "KV pool size in pages"),
-    "kv_cache_gb": (["--kv-cache-gb"], "KV pool size in GiB (when --num-pages is unset)"),
-    "max_model_len": (["--max-model-len"], "longest sequence (prompt + output)"),
-    "max_num_seqs": (["--max-num-seqs"], "running-request limit"),
-    "chunk_size": (["--chunk-size"], "prefill chunk size (unset: unchunked)"),
-    "token_budget": (
-        ["--token-budget", "--max-num-batched-tokens"], "tokens per iteration (unset: unlimited)"
-    ),
-    "max_prefill_tokens": (["--max-prefill-tokens"], "prefill tokens per iteration"),
-    "prefill_delay": (["--prefill-delay"], "admit new prefill at most every N iterations"),
-    "max_chunked_prefills": (["--max-chunked-prefills"], "requests mid-chunk at once"),
-    "budget_controller": (["--budget-controller"], " | ".join(BUDGET_CONTROLLERS)),
-    "mixing": (["--mixing"], " | ".join(MIXING)),
-    "order": (["--order", "--schedule-policy"], " | ".join(ORDERS)),
-    "admission": (["--admission"], " | ".join(ADMISSIONS)),
-    "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
-    "lpm_aging": (["--lpm-aging"], "LPM aging, tokens per iteration waited"),
-    "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
-    "budget_min": (["--budget-min"], "EMA budget floor"),
-    "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
-    "default_request_class": (["--default-request-class"], " | ".join(REQUEST_CLASSES)),
-    "interactive_chunk_size": (["--interactive-chunk-size"], "chunk while interactive traffic waits"),
-    "interactive_token_budget": (
-        ["--interactive-token-budget"], "iteration budget while interactive traffic decodes"
-    ),
-}
-STR_KNOBS = {"dtype", "device", "mixing", "order", "retraction", "admission",
-             "budget_controller", "default_request_class"}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    for name, (flags, help_text) in ENGINE_FLAGS.items():
-        default = fields[name].default
-        kind = {"int": int, "float": float, "str": str}.get(type(default).__name__, int)
-        if name in STR_KNOBS:
-            kind = str
-        group.add_argument(*flags, dest=name, type=kind, default=None,
-                           help=f"{help_text} (default: {default})")
-    group.add_argument("--mode", choices=list(MODES), default=None,
-                       help="throughput: hlserve's throughput mode; slo: a production default (vllm)")
-    group.add_argument("--preset", choices=list(PRESETS), default=None,
-                       help="the knob settings of a system we compare against")
-    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", default=None, help="turn the radix prefix cache off")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset"]
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+from hlserve.engine.args import add_engine_args, engine_options
+from hlserve.errors import CLI_ERRORS
+from hlserve.models.default_model import default_model
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> None:
@@ -107,17 +35,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         print(f"--- prompt: {prompt!r}\n{out.text}\n--- {len(out.token_ids)} tokens, "
               f"finish_reason={out.finish_reason}")
-
-
-def default_model(size: str = "tiny") -> Path:
-    """The embedded default model, built on first use (random weights, no download)."""
-    from hlserve.models.tiny import make_tiny_model
-
-    path = DEFAULT_MODEL_HOME / "models" / f"qwen2-{size}"
-    if not (path / "config.json").exists():
-        print(f"building the embedded default model at {path} ...", flush=True)
-        make_tiny_model(path, arch="qwen2", size=size, seed=0)
-    return path
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -218,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args.func(args)
-    except (HLServeError, ValueError, TypeError, FileNotFoundError) as e:
+    except CLI_ERRORS as e:
         print(f"hlserve: error: {e}", file=sys.stderr)
         return 2
     return 0

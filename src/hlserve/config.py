@@ -4,14 +4,45 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+from hlserve.request import REQUEST_CLASSES
 
 MIXING = ("always", "prefill_first", "two_stage")
 ORDERS = ("fcfs", "lpm", "priority")
 RETRACTIONS = ("fewest_generated", "lifo", "priority")
 ADMISSIONS = ("chunk", "reserve", "abort_guard", "backpressure")
 BUDGET_CONTROLLERS = ("fixed", "ratchet", "ema")
-REQUEST_CLASSES = ("agent", "interactive")
+# the knobs that take UNLIMITED (or None, the same thing) for "no cap"
+SIZE_KNOBS = ("chunk_size", "token_budget")
+
+
+class _Unlimited:
+    """The type of :data:`UNLIMITED`: one instance, so ``x is UNLIMITED`` is the test."""
+
+    _instance: _Unlimited | None = None
+
+    def __new__(cls) -> _Unlimited:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNLIMITED"
+
+    def __reduce__(self) -> str:
+        return "UNLIMITED"  # pickles as the module-level singleton
+
+
+# An explicit "no cap" for C and B that wins over a preset. ``None`` means the same in the
+# config, but an option dict cannot tell "unset" from "set to None" once a flag parser has
+# dropped unset flags; UNLIMITED survives that, and EngineConfig turns it into None.
+UNLIMITED: Final = _Unlimited()
+
+
+def plain(options: dict[str, Any]) -> dict[str, Any]:
+    """Options with UNLIMITED written as None (for JSON and logs)."""
+    return {k: None if v is UNLIMITED else v for k, v in options.items()}
 
 
 @dataclass(frozen=True)
@@ -32,8 +63,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_prefill_tokens: int | None = None  # prefill tokens per iteration (SGLang's cap)
     # latency caps
-    chunk_size: int | None = None  # None: a prompt is prefilled in one pass
-    token_budget: int | None = None  # tokens per iteration (vLLM's max_num_batched_tokens)
+    chunk_size: int | None = None  # None (or UNLIMITED): a prompt is prefilled in one pass
+    token_budget: int | None = None  # tokens per iteration (vLLM's max_num_batched_tokens); None: no cap
     prefill_delay: int | None = None  # admit new prefill at most every N iterations while decoding
     max_chunked_prefills: int | None = None  # requests mid-chunk at once (SGLang: 1)
     # policies
@@ -62,6 +93,9 @@ class EngineConfig:
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
+        for name in SIZE_KNOBS:
+            if getattr(self, name) is UNLIMITED:
+                object.__setattr__(self, name, None)
         for name in ("page_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -29,3 +29,7 @@ class ServiceUnavailableError(HLServeError):
         super().__init__(message)
         self.code = code
         self.retry_after_s = retry_after_s
+
+
+# what a command line reports as "error: ..." with exit status 2, not as a traceback
+CLI_ERRORS: tuple[type[Exception], ...] = (HLServeError, ValueError, TypeError, FileNotFoundError)

@@ -2,36 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from hlserve.config import EngineConfig
+from hlserve.engine import factory
+from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine
-from hlserve.engine.presets import resolve_options
 from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.request import RequestOutput, SamplingParams
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
+__all__ = ["LLM", "build_engine", "make_config"]
+
 Prompt = str | Sequence[int]
 MAX_IDLE_PASSES = 1000
 
 
-def make_config(model: str, **engine_options: Any) -> EngineConfig:
-    """Engine options (``mode`` / ``preset`` expanded, explicit knobs winning) as a config."""
-    known = EngineConfig.field_names() | {"mode", "preset"}
-    unknown = set(engine_options) - known
-    if unknown:
-        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(known)}")
-    return EngineConfig(model=str(model), **resolve_options(engine_options))
-
-
-def build_engine(model: str, **engine_options: Any) -> Engine:
-    config = make_config(model, **engine_options)
-    runner = TorchRunner(config)
-    return Engine(config, runner, Tokenizer.from_dir(model))
+def build_engine(model: str, *, runner: Callable[[EngineConfig], Any] = TorchRunner,
+                 clock: Callable[[], float] | None = None, **engine_options: Any) -> Engine:
+    """An Engine on the real runner (``runner`` wraps it for a caller that records steps) with
+    the model's tokenizer, when it has one."""
+    return factory.build_engine(model, engine_options, runner,
+                                tokenizer=lambda: Tokenizer.from_dir(model), clock=clock)
 
 
 class LLM:

@@ -104,10 +104,14 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are vLLM's (and the OpenAI API's ``finish_reason``)."""
+
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's length limit
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # rejected; the message says why
+    # ended unfinished without a fault: cancelled by the caller (no error), or refused by the
+    # admission policy once queued (``error`` says why), as vLLM ends a request it drops
+    ABORT = "abort"
+    ERROR = "error"  # a fault ended it: its forward, its output or its step failed (see error)
 
 
 class RequestClass(str, enum.Enum):
@@ -115,6 +119,9 @@ class RequestClass(str, enum.Enum):
 
     INTERACTIVE = "interactive"
     AGENT = "agent"
+
+
+REQUEST_CLASSES: tuple[str, ...] = tuple(c.value for c in RequestClass)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.bench.metrics import SLO
+from hlserve.request import REQUEST_CLASSES
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -99,7 +101,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="the server, with or without /v1 (default: http://127.0.0.1:8000)")
     g.add_argument("--model", default=None, help="model name (default: the first served)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--request-class", choices=["agent", "interactive"], default=None,
+    g.add_argument("--request-class", choices=list(REQUEST_CLASSES), default=None,
                    help="sent as X-Request-Class (hlserve); other servers ignore it")
     g.add_argument("--tokenizer", default=None,
                    help="model directory or tokenizer.json: text prompts for servers that "
@@ -129,36 +131,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def bench_spec(args: argparse.Namespace) -> Any:
+    """A BenchSpec from the flags parsed: every field whose flag this command has (the sweep
+    has fewer than ``hlserve bench``), the rest at BenchSpec's own defaults."""
     from hlserve.bench.serve_bench import BenchSpec
 
-    fmt = getattr(args, "prompt_format", "auto")
-    return BenchSpec(
-        base_url=getattr(args, "base_url", ""), model=getattr(args, "model_name", None)
-        or getattr(args, "model", None),
-        workload=getattr(args, "workload", "agent"), sessions=args.sessions, rounds=args.rounds,
-        system_prompt_len=args.system_prompt_len, task_len=args.task_len,
-        tool_output_len=args.tool_output_len, output_len=args.output_len,
-        think_time=getattr(args, "think_time", 0.0),
-        num_prompts=getattr(args, "num_prompts", 100),
-        request_rate=getattr(args, "request_rate", math.inf),
-        input_len=getattr(args, "input_len", (256, 1024)),
-        max_concurrency=getattr(args, "max_concurrency", None),
-        trace=args.trace, trace_start=args.trace_start, trace_limit=args.trace_limit,
-        time_scale=getattr(args, "time_scale", 1.0), length_scale=args.length_scale,
-        output_scale=args.output_scale, vocab=args.vocab, seed=args.seed,
-        api_key=getattr(args, "api_key", None), request_class=getattr(args, "request_class", None),
-        extra_body=getattr(args, "extra_body", {}), ignore_eos=getattr(args, "ignore_eos", True),
-        min_tokens=getattr(args, "min_tokens", False),
-        temperature=getattr(args, "temperature", 0.0), tokenizer=getattr(args, "tokenizer", None),
-        token_prompts={"auto": None, "ids": True, "text": False}[fmt],
-        return_token_ids=False if getattr(args, "no_return_token_ids", False) else None,
-        timeout=getattr(args, "timeout", 3600.0),
-        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms),
-        result_file=getattr(args, "result_file", None),
-        request_file=getattr(args, "request_file", None),
-        record_ids=getattr(args, "record_ids", False),
-        progress=getattr(args, "progress", True), label=getattr(args, "label", None),
-    )
+    given = vars(args)
+    fields = {f.name for f in dataclasses.fields(BenchSpec)}
+    kw: dict[str, Any] = {k: given[k] for k in fields & given.keys()}
+    kw.setdefault("base_url", "")
+    kw["model"] = given.get("model_name") or given.get("model")
+    if "prompt_format" in given:
+        kw["token_prompts"] = {"auto": None, "ids": True, "text": False}[given["prompt_format"]]
+    if given.get("no_return_token_ids"):
+        kw["return_token_ids"] = False
+    kw["slo"] = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
+    return BenchSpec(**kw)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

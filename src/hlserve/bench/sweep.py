@@ -37,12 +37,11 @@ from hlserve.bench.client import ServerInfo
 from hlserve.bench.driver import fewer_gc_passes
 from hlserve.bench.metrics import RequestRecord, summarize
 from hlserve.bench.serve_bench import BenchSpec, _agent_sessions, _Recorder, run_bench
+from hlserve.config import UNLIMITED, plain
+from hlserve.engine.args import UNLIMITED_WORDS, parse_engine_args
 from hlserve.errors import InvalidRequestError
 from hlserve.request import RequestOutput, SamplingParams
 from hlserve.server.launch import ExternalServer, free_port
-
-UNLIMITED = ("none", "unlimited", "inf", "off")
-
 
 # ---- points -------------------------------------------------------------------------------
 
@@ -65,7 +64,7 @@ def parse_sizes(text: str) -> list[int | None]:
         part = part.strip().lower()
         if not part:
             continue
-        out.append(None if part in UNLIMITED else int(part))
+        out.append(None if part in UNLIMITED_WORDS else int(part))
     return out
 
 
@@ -92,15 +91,20 @@ def make_points(chunk_sizes: list[int | None], token_budgets: str = "same",
 # ---- in-process ---------------------------------------------------------------------------
 
 
-def engine_options_from_args(argv: list[str]) -> dict[str, Any]:
-    """hlserve engine flags (``--mode throughput --dtype bfloat16 ...``) as engine options."""
-    import argparse
-
-    from hlserve.cli import add_engine_args, engine_options
-
-    p = argparse.ArgumentParser(prog="engine-args", add_help=False)
-    add_engine_args(p)
-    return engine_options(p.parse_args(argv))
+def point_options(base: dict[str, Any], point: Point) -> dict[str, Any]:
+    """A point's engine options: the sweep's (``--engine-args``, parsed once), then the
+    point's own flags (a point with its own preset replaces the base's), then a grid point's
+    C and B (unlimited as UNLIMITED, which wins over any preset)."""
+    opts = dict(base)
+    own = parse_engine_args(point.args)
+    if {"mode", "preset"} & own.keys():
+        opts.pop("mode", None)
+        opts.pop("preset", None)
+    opts.update(own)
+    if not point.args:  # a grid point: its knobs win
+        opts["chunk_size"] = UNLIMITED if point.chunk_size is None else point.chunk_size
+        opts["token_budget"] = UNLIMITED if point.token_budget is None else point.token_budget
+    return opts
 
 
 def session_rounds(s: Any) -> int:
@@ -180,16 +184,7 @@ def _warm_up(engine: Any) -> None:
 
 def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: BenchSpec,
                         sim: str | None = None, tp: int = 1) -> dict[str, Any]:
-    opts = dict(base)
-    own = engine_options_from_args(point.args)
-    if {"mode", "preset"} & own.keys():  # a point with its own preset replaces the base's
-        opts.pop("mode", None)
-        opts.pop("preset", None)
-    opts.update(own)
-    if not point.args:  # a grid point: its knobs win
-        opts["chunk_size"] = point.chunk_size
-        opts["token_budget"] = point.token_budget
-    opts = {k: v for k, v in opts.items() if v is not None or k in ("chunk_size", "token_budget")}
+    opts = point_options(base, point)
     if sim:
         from hlserve.sim.build import build_sim_engine
 
@@ -204,7 +199,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
         sessions, extra = _agent_sessions(spec, info)
         res = run_engine_agent(engine, sessions, spec)
         res.update(extra)
-        res["engine_options"] = dict(opts)  # as asked
+        res["engine_options"] = plain(opts)  # as asked (unlimited as null)
         res["engine_config"] = dataclasses.asdict(engine.config)  # as resolved (presets)
         res["engine_caps"] = getattr(engine, "caps_report", None)
         res["retractions"] = engine.scheduler.num_retractions
@@ -276,7 +271,7 @@ def _slug(label: str) -> str:
 def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
     out = sw.out_dir
     (out / "points").mkdir(parents=True, exist_ok=True)
-    base = engine_options_from_args(sw.engine_args) if sw.server_cmd is None else {}
+    base = parse_engine_args(sw.engine_args) if sw.server_cmd is None else {}
     env = None
     if sw.threads:
         env = {"OMP_NUM_THREADS": str(sw.threads)}  # for a --server-cmd

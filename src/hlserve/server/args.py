@@ -1,4 +1,4 @@
-"""Flags of ``hlserve serve`` that are the server's own (the engine's come from the CLI).
+"""Flags of ``hlserve serve`` that are the server's own (the engine's are in ``engine/args.py``).
 
 Kept free of heavy imports: the CLI builds its parser from this module even when the
 ``server`` extra (fastapi, uvicorn, prometheus-client) is not installed. The class of a
@@ -11,7 +11,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUEST_CLASSES = ("interactive", "agent")
+from hlserve.request import REQUEST_CLASSES  # noqa: F401  (the server modules' import)
+
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROMPTS = 256
 # limits of hlserve serve (docs/server.md, "Limits")

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from hlserve.config import EngineConfig
+from hlserve.engine import factory
+from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine, VirtualClock
-from hlserve.engine.presets import DeviceInfo, resolve_options
+from hlserve.engine.presets import DeviceInfo
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.runner import SimRunner
 
-RUNNER_OPTIONS = ("mem_util", "reserve_gib", "eos_rate")
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The SimRunner's own options (not engine knobs): share of device memory usable, GiB kept
+    back from the KV pool, and the share of positions that yield EOS (0: never)."""
+
+    mem_util: float = 0.9
+    reserve_gib: float = 2.0
+    eos_rate: float = 0.0
 
 
 def device_info(hw: Hardware) -> DeviceInfo:
@@ -22,21 +34,16 @@ def device_info(hw: Hardware) -> DeviceInfo:
 
 
 def sim_config(model: str, hardware: str | Hardware, **engine_options: Any) -> EngineConfig:
-    hw = get_hardware(hardware)
-    known = EngineConfig.field_names() | {"mode", "preset"}
-    unknown = set(engine_options) - known
-    if unknown:
-        raise TypeError(f"unknown engine option(s) {sorted(unknown)}")
-    return EngineConfig(model=model, **resolve_options(engine_options, device_info(hw)))
+    """The config an engine on ``hardware`` would get (presets keyed on the simulated device)."""
+    return make_config(model, device_info=device_info(get_hardware(hardware)), **engine_options)
 
 
 def build_sim_engine(model: str, hardware: str | Hardware = "H20", tp: int = 1,
-                     **options: Any) -> Engine:
+                     sim: SimOptions = SimOptions(), **options: Any) -> Engine:
     """``build_sim_engine("Qwen2.5-32B", "H20", tp=8, mode="throughput")``: engine options as
     for :func:`hlserve.llm.build_engine` (``mode``/``preset`` expanded for the simulated
-    device), plus the SimRunner's ``mem_util``, ``reserve_gib``, ``eos_rate``."""
-    runner_opts = {k: options.pop(k) for k in RUNNER_OPTIONS if k in options}
+    device); the SimRunner's own options in ``sim``."""
     hw = get_hardware(hardware)
-    config = sim_config(model, hw, **options)
-    runner = SimRunner(config, hw, tp, **runner_opts)
-    return Engine(config, runner, tokenizer=None, clock=VirtualClock())
+    return factory.build_engine(
+        model, options, lambda c: SimRunner(c, hw, tp, **dataclasses.asdict(sim)),
+        device_info=device_info(hw), clock=VirtualClock())

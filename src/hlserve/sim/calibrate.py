@@ -296,17 +296,17 @@ class RecordingRunner(Runner):
 
 
 def real_engine(model_dir: str, engine_options: dict[str, Any], recording: bool = True):
-    """An Engine on the real runner (wall clock), with the runner wrapped for recording."""
-    from hlserve.engine.engine import Engine
-    from hlserve.llm import make_config
+    """An Engine on the real runner (on this module's clock), with the runner wrapped for
+    recording; returns (engine, runner)."""
+    from hlserve.llm import build_engine
     from hlserve.runner.torch_runner import TorchRunner
-    from hlserve.tokenizer import Tokenizer
 
-    config = make_config(model_dir, **engine_options)
-    inner = TorchRunner(config)
-    runner = RecordingRunner(inner) if recording else inner
-    tok = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
-    return Engine(config, runner, tok, clock=_clock), runner
+    def runner(config):
+        inner = TorchRunner(config)
+        return RecordingRunner(inner) if recording else inner
+
+    engine = build_engine(str(model_dir), runner=runner, clock=_clock, **engine_options)
+    return engine, engine.runner
 
 
 def fit_host(steps: list[StepRecord]) -> tuple[float, float]:

@@ -111,22 +111,11 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _tiny_model_dir() -> str:
-    import os
-
-    from hlserve.models.tiny import make_tiny_model
-
-    home = Path(os.environ.get("HLSERVE_HOME", Path.home() / ".cache" / "hlserve"))
-    path = home / "models" / "qwen2-tiny"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, arch="qwen2", size="tiny", seed=0)
-    return str(path)
-
-
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    from hlserve.models.default_model import default_model
     from hlserve.sim.calibrate import calibrate, fidelity, write_profile
 
-    model = args.model or _tiny_model_dir()
+    model = args.model or str(default_model(quiet=True))
     name = args.name or args.device.split(":")[0]
     cal = calibrate(model, name=name, threads=args.threads, quick=args.quick, device=args.device,
                     progress=not args.json)
@@ -218,11 +207,19 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hlserve.sim.cli cost ...`` is ``hlserve cost ...``: one parser, one error
-    handling."""
-    from hlserve.cli import main as hlserve_main
+    """``python -m hlserve.sim.cli cost ...`` runs as ``hlserve cost ...`` does (the same
+    subcommands, the same error handling), without importing the top-level CLI."""
+    from hlserve.errors import CLI_ERRORS
 
-    return hlserve_main(argv)
+    parser = argparse.ArgumentParser(prog="hlserve", description=__doc__)
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except CLI_ERRORS as e:
+        print(f"hlserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""Engine flags, their defaults and their parsing, below every command line: the one place
+that turns ``--preset vllm --chunk-size none ...`` or ``LLM(..., preset="vllm")`` options into
+an :class:`EngineConfig` (presets expanded for a device, explicit knobs winning)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from hlserve.config import (
+    ADMISSIONS,
+    BUDGET_CONTROLLERS,
+    MIXING,
+    ORDERS,
+    REQUEST_CLASSES,
+    RETRACTIONS,
+    SIZE_KNOBS,
+    UNLIMITED,
+    EngineConfig,
+)
+from hlserve.engine.presets import MODES, PRESETS, DeviceInfo, resolve_options
+
+# words a size flag takes for "no cap" (``--chunk-size none``)
+UNLIMITED_WORDS = ("none", "unlimited", "inf", "off")
+
+# engine option -> (flag, help); vLLM's flag names where vLLM has the same knob
+ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
+    "dtype": (["--dtype"], "auto | float32 | bfloat16 | float16"),
+    "device": (["--device"], "auto | cpu | cuda | cuda:N"),
+    "seed": (["--seed"], "seed of the sampler for requests without their own seed"),
+    "cpu_threads": (["--cpu-threads"], "torch threads on a CPU (unset: torch's choice)"),
+    "page_size": (["--page-size", "--block-size"], "tokens per KV page"),
+    "num_pages": (["--num-pages", "--num-gpu-blocks-override"], "KV pool size in pages"),
+    "kv_cache_gb": (["--kv-cache-gb"], "KV pool size in GiB (when --num-pages is unset)"),
+    "max_model_len": (["--max-model-len"], "longest sequence (prompt + output)"),
+    "max_num_seqs": (["--max-num-seqs"], "running-request limit"),
+    "chunk_size": (["--chunk-size"],
+                   "prefill chunk size; 'none': unchunked, also over a preset's value"),
+    "token_budget": (["--token-budget", "--max-num-batched-tokens"],
+                     "tokens per iteration; 'none': unlimited, also over a preset's value"),
+    "max_prefill_tokens": (["--max-prefill-tokens"], "prefill tokens per iteration"),
+    "prefill_delay": (["--prefill-delay"], "admit new prefill at most every N iterations"),
+    "max_chunked_prefills": (["--max-chunked-prefills"], "requests mid-chunk at once"),
+    "budget_controller": (["--budget-controller"], " | ".join(BUDGET_CONTROLLERS)),
+    "mixing": (["--mixing"], " | ".join(MIXING)),
+    "order": (["--order", "--schedule-policy"], " | ".join(ORDERS)),
+    "admission": (["--admission"], " | ".join(ADMISSIONS)),
+    "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
+    "lpm_aging": (["--lpm-aging"], "LPM aging, tokens per iteration waited"),
+    "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
+    "budget_min": (["--budget-min"], "EMA budget floor"),
+    "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
+    "default_request_class": (["--default-request-class"], " | ".join(REQUEST_CLASSES)),
+    "interactive_chunk_size": (["--interactive-chunk-size"], "chunk while interactive traffic waits"),
+    "interactive_token_budget": (
+        ["--interactive-token-budget"], "iteration budget while interactive traffic decodes"
+    ),
+}
+STR_KNOBS = {"dtype", "device", "mixing", "order", "retraction", "admission",
+             "budget_controller", "default_request_class"}
+# every option name an engine takes: the config's fields, and the two that expand into them
+OPTION_NAMES = frozenset(EngineConfig.field_names() - {"model"}) | {"mode", "preset"}
+
+
+def size_or_unlimited(text: str) -> Any:
+    """A C or B flag's value: a positive int, or one of UNLIMITED_WORDS for UNLIMITED."""
+    if text.strip().lower() in UNLIMITED_WORDS:
+        return UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer or one of {', '.join(UNLIMITED_WORDS)}, got {text!r}") from None
+
+
+size_or_unlimited.__name__ = "size"  # argparse names the type in its error message
+
+
+def _flag_type(name: str, default: Any) -> Any:
+    if name in SIZE_KNOBS:
+        return size_or_unlimited
+    if name in STR_KNOBS:
+        return str
+    return {"int": int, "float": float, "str": str}.get(type(default).__name__, int)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags on ``parser``; every one defaults to unset (None), so that only the
+    flags given reach :func:`engine_options` and a preset fills in the rest."""
+    group = parser.add_argument_group("engine")
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name, (flags, help_text) in ENGINE_FLAGS.items():
+        default = fields[name].default
+        group.add_argument(*flags, dest=name, type=_flag_type(name, default), default=None,
+                           help=f"{help_text} (default: {default})")
+    group.add_argument("--mode", choices=list(MODES), default=None,
+                       help="throughput: hlserve's throughput mode; slo: a production default (vllm)")
+    group.add_argument("--preset", choices=list(PRESETS), default=None,
+                       help="the knob settings of a system we compare against")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", default=None, help="turn the radix prefix cache off")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given (UNLIMITED kept: it is a value, not an absence)."""
+    names = [*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset"]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+@functools.cache
+def _engine_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine-args", add_help=False)
+    add_engine_args(p)
+    return p
+
+
+def parse_engine_args(argv: Sequence[str]) -> dict[str, Any]:
+    """Engine flags given as a list (``--engine-args``, a sweep point's flags) as options."""
+    return engine_options(_engine_parser().parse_args(list(argv)))
+
+
+def check_options(options: dict[str, Any]) -> None:
+    unknown = set(options) - OPTION_NAMES
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(OPTION_NAMES)}")
+
+
+def make_config(model: str, *, device_info: DeviceInfo | None = None,
+                **options: Any) -> EngineConfig:
+    """Engine options (``mode`` / ``preset`` expanded for ``device_info``, detected from the
+    ``device`` option when None; explicit knobs winning, UNLIMITED and None included) as a
+    config."""
+    check_options(options)
+    return EngineConfig(model=str(model), **resolve_options(options, device_info))
