@@ -12,11 +12,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import LongestPrefixMatch, plain_radix_walk_order
+from hlserve.engine.policies import LongestPrefixMatch
 from hlserve.request import Request, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the baseline walk
+from kv_support import plain_radix_walk_order
 
 
 def build(n_waiting: int, page_size: int, seed: int) -> tuple[KVCacheManager, list[Request]]:
@@ -34,7 +39,8 @@ def build(n_waiting: int, page_size: int, seed: int) -> tuple[KVCacheManager, li
         rid = f"warm{i}"
         kv.admit(rid, cached, len(cached) - 1)
         kv.allocate(rid, len(cached))
-        kv.release(rid, cached, len(cached))
+        kv.commit(rid, cached, len(cached))
+        kv.release(rid)
     return kv, waiting
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hlserve.engine.kv_cache import KVCacheManager
+from kv_support import num_seq_pages, release_cached
 
 PS = 4
 
@@ -17,7 +18,7 @@ def test_prefix_hit_after_release_and_lru_eviction_order() -> None:
     a = list(range(12))  # three full pages
     kv.admit("a", a, len(a) - 1)
     assert kv.allocate("a", 12)
-    kv.release("a", a, num_computed=12)
+    release_cached(kv, "a", a, num_computed=12)
     assert kv.num_evictable == 3 and kv.num_free == 5
     # same first two pages, different third: hits 8 tokens
     b = [*range(8), 99, 98, 97, 96, 95]
@@ -27,7 +28,7 @@ def test_prefix_hit_after_release_and_lru_eviction_order() -> None:
     kv.check_invariants()
     # eviction takes the unreferenced leaf, never a page b holds
     assert kv.evict(10) == 1
-    kv.release("b", b, num_computed=12)
+    release_cached(kv, "b", b, num_computed=12)
     kv.check_invariants()
     assert kv.num_used == 0
 
@@ -37,7 +38,7 @@ def test_full_hit_keeps_last_token_to_compute() -> None:
     a = list(range(8))
     kv.admit("a", a, 7)
     kv.allocate("a", 8)
-    kv.release("a", a, 8)
+    release_cached(kv, "a", a, 8)
     # the whole prompt is cached, but its last token must run to give logits
     assert kv.admit("b", a, len(a) - 1) == 4
 
@@ -53,8 +54,8 @@ def test_concurrent_duplicate_pages_are_shared_on_commit() -> None:
     assert kv.page_table("a") == kv.page_table("b")
     assert kv.num_free == 6
     kv.check_invariants()
-    kv.release("a", toks, 8)
-    kv.release("b", toks, 8)
+    release_cached(kv, "a", toks, 8)
+    release_cached(kv, "b", toks, 8)
     kv.check_invariants()
     assert kv.num_used == 0 and kv.num_evictable == 2
 
@@ -79,8 +80,8 @@ def test_commit_from_an_offset_equals_a_full_commit() -> None:
     # tokens that start after the committed pages cannot be placed: refused, nothing changed
     with pytest.raises(ValueError):
         tail.commit("a", toks[5 * PS + PS :], 6 * PS, offset=6 * PS)
-    tail.release("a", toks[5 * PS :], 6 * PS, offset=5 * PS)
-    full.release("a", toks, 6 * PS)
+    release_cached(tail, "a", toks[5 * PS :], 6 * PS, offset=5 * PS)
+    release_cached(full, "a", toks, 6 * PS)
     for kv in (full, tail):
         kv.check_invariants()
         assert kv.num_evictable == 6 and kv.num_used == 0
@@ -90,7 +91,7 @@ def test_allocate_fails_without_side_effects() -> None:
     kv = KVCacheManager(num_pages=2, page_size=PS)
     kv.admit("a", [1], 0)
     assert not kv.allocate("a", 3 * PS)
-    assert kv.num_seq_pages("a") == 0 and kv.num_free == 2
+    assert num_seq_pages(kv, "a") == 0 and kv.num_free == 2
 
 
 def test_no_prefix_caching_frees_everything() -> None:
@@ -98,7 +99,7 @@ def test_no_prefix_caching_frees_everything() -> None:
     t = list(range(8))
     kv.admit("a", t, 7)
     kv.allocate("a", 8)
-    kv.release("a", t, 8)
+    release_cached(kv, "a", t, 8)
     assert kv.num_free == 4 and kv.admit("b", t, 7) == 0
 
 
@@ -152,7 +153,7 @@ class KVMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         tokens, computed = self.live.pop(rid)
         if keep:
-            self.kv.release(rid, tokens, computed)
+            release_cached(self.kv, rid, tokens, computed)
         else:
             self.kv.release(rid)
 
@@ -167,12 +168,12 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         kv = self.kv
         assert kv.num_used + kv.num_free + kv.num_evictable == kv.num_pages
-        held = sum(kv.num_seq_pages(r) for r in self.live)
+        held = sum(num_seq_pages(kv, r) for r in self.live)
         assert kv.num_used <= held  # shared pages count once
 
     def teardown(self) -> None:
         for rid, (tokens, computed) in list(self.live.items()):
-            self.kv.release(rid, tokens, computed)
+            release_cached(self.kv, rid, tokens, computed)
         self.kv.check_invariants()
         assert self.kv.num_used == 0, "a page is still referenced after every request ended"
 
@@ -187,7 +188,7 @@ def test_cached_prefix_content_matches(page_size: int) -> None:
     a = list(range(50))
     kv.admit("a", a, 49)
     kv.allocate("a", 50)
-    kv.release("a", a, 50)
+    release_cached(kv, "a", a, 50)
     b = [*a[:37], 7, 7, 7]
     cached = kv.admit("b", b, len(b) - 1)
     assert cached == (37 // page_size) * page_size

@@ -25,11 +25,11 @@ from hlserve.engine.policies import (
     PriorityVictim,
     RatchetBudget,
     TwoStage,
-    plain_radix_walk_order,
 )
 from hlserve.engine.presets import DeviceInfo, preset_options, resolve_options
 from hlserve.errors import InvalidRequestError
 from hlserve.request import Request, RequestClass, SamplingParams
+from kv_support import plain_radix_walk_order, release_cached
 from support import HistoryRunner
 
 CPU = DeviceInfo("cpu")
@@ -231,7 +231,7 @@ def test_ema_budget_keeps_prefill_going_under_the_same_load() -> None:
 def _cache(kv: KVCacheManager, tokens: list[int], rid: str) -> None:
     kv.admit(rid, tokens, len(tokens) - 1)
     kv.allocate(rid, len(tokens))
-    kv.release(rid, tokens, len(tokens))
+    release_cached(kv, rid, tokens, len(tokens))
 
 
 def _req(tokens: list[int], t: float) -> Request:

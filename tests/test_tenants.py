@@ -10,6 +10,7 @@ from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.policies import LongestPrefixMatch
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import Request, SamplingParams
+from kv_support import release_cached, reset_prefix_cache
 from support import HistoryRunner
 
 PS = 4
@@ -18,7 +19,7 @@ PS = 4
 def _cache(kv: KVCacheManager, tokens: list[int], rid: str, salt: str | None) -> None:
     kv.admit(rid, tokens, len(tokens) - 1, salt=salt)
     assert kv.allocate(rid, len(tokens))
-    kv.release(rid, tokens, num_computed=len(tokens))
+    release_cached(kv, rid, tokens, num_computed=len(tokens))
 
 
 def test_salted_pages_match_only_their_own_namespace() -> None:
@@ -35,10 +36,10 @@ def test_salted_pages_match_only_their_own_namespace() -> None:
     # admit reports the namespace's own hits only
     assert kv.admit("bob", secret, 15, salt="salt-b") == 0
     assert kv.allocate("bob", 16)
-    kv.release("bob", secret, num_computed=16)
+    release_cached(kv, "bob", secret, num_computed=16)
     kv.check_invariants()
     assert kv.num_evictable == 12  # three namespaces, four pages each: nothing shared
-    assert kv.reset_prefix_cache() == 12
+    assert reset_prefix_cache(kv) == 12
     kv.check_invariants()
 
 

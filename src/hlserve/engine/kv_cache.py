@@ -108,10 +108,6 @@ class KVCacheManager:
     def holds(self, req_id: str) -> bool:
         return req_id in self._seqs
 
-    def num_seq_pages(self, req_id: str) -> int:
-        seq = self._seqs.get(req_id)
-        return len(seq.pages) if seq else 0
-
     def page_key(self, parent: Node, page_tokens: Sequence[int], salt: str | None) -> tuple:
         """The key of the page spelling ``page_tokens`` under ``parent``: first pages carry
         the salt, so namespaces part at the root."""
@@ -211,13 +207,9 @@ class KVCacheManager:
             seq.nodes.append(node)
             parent = node
 
-    def release(self, req_id: str, tokens: list[int] | None = None, num_computed: int = 0,
-                offset: int = 0) -> None:
-        """Stop holding a request's pages. Computed full pages stay cached (if ``tokens`` is
-        given, from token number ``offset`` as for ``commit``); the rest go back to the free
-        list."""
-        if tokens is not None:
-            self.commit(req_id, tokens, num_computed, offset)
+    def release(self, req_id: str) -> None:
+        """Stop holding a request's pages. Its committed pages stay cached (commit first to
+        keep the computed full pages); the rest go back to the free list."""
         seq = self._seqs.pop(req_id)
         for node in reversed(seq.nodes):  # leaf first: keeps children ahead of parents in LRU
             node.ref -= 1
@@ -238,10 +230,6 @@ class KVCacheManager:
             self.num_tree_nodes -= 1
             evicted += 1
         return evicted
-
-    def reset_prefix_cache(self) -> int:
-        """Evict every unreferenced cached page; returns how many were freed."""
-        return self.evict(len(self._lru))
 
     def _lock(self, node: Node) -> None:
         if node.ref == 0:

@@ -148,14 +148,6 @@ class LongestPrefixMatch(AgedPrefixOrder):
         self._state.pop(req.request_id, None)
 
 
-def plain_radix_walk_order(kv: KVCacheManager, waiting: list[Request]) -> list[Request]:
-    """The baseline LPM: a fresh walk from the root for every waiting request (benchmarks)."""
-    scored = [(-len(kv.match_prefix(r.all_token_ids, r.num_tokens - 1, r.cache_salt)),
-               r.arrival_time, i)
-              for i, r in enumerate(waiting)]
-    return [waiting[i] for _, _, i in sorted(scored)]
-
-
 # ---- mixing of prefill and decode -----------------------------------------------------------
 
 
