@@ -221,7 +221,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
 def test_tokenizer_training_is_deterministic_across_processes(model_dirs: dict[str, Path]) -> None:
     # Rust hash maps are seeded per process; the trained merges must not depend on that.
     code = (
-        "import hashlib, sys; from hlserve.models.tiny import _trained_tokenizer_json as t; "
+        "import hashlib, sys; from hlserve.models.tiny_tokenizer import trained_tokenizer_json as t; "
         "sys.stdout.write(hashlib.sha256(t().encode()).hexdigest())"
     )
     here = _sha(model_dirs["llama"] / "tokenizer.json")
