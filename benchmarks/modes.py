@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from hlserve.bench.driver import compare_configs, format_comparison
-from hlserve.bench.workloads import AgentWorkload
 from hlserve.models.default_model import default_model
+from hlserve.workloads import AgentWorkload
 
 CONFIGS: dict[str, dict[str, object]] = {
     "throughput": {"mode": "throughput"},

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from hlserve.bench.metrics import SLO, RequestRecord, summarize
 
 from hlserve.bench import report
-from hlserve.bench.metrics import SLO, RequestRecord, summarize
 from hlserve.bench.sweep import Point, make_points, parse_sizes, server_command
-from hlserve.bench.workloads import (
+from hlserve.workloads import (
     MooncakeTrace,
     ScaledTrace,
     chains,

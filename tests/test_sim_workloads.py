@@ -9,7 +9,10 @@ import random
 
 import pytest
 
-from hlserve.bench.workloads import (
+from hlserve.sim.build import build_sim_engine
+from hlserve.sim.drive import run_open_loop, run_trace_closed
+from hlserve.sim.fitting import find_data_dir
+from hlserve.workloads import (
     BLOCK,
     AgentWorkload,
     Dist,
@@ -17,9 +20,6 @@ from hlserve.bench.workloads import (
     PoissonChat,
     trace_arrivals,
 )
-from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_open_loop, run_trace_closed
-from hlserve.sim.fitting import find_data_dir
 
 
 def _write_trace(path, rows) -> None:

@@ -41,7 +41,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     """The human tax on the default model: one closed-loop agent workload, served in a
     production SLO mode and in throughput mode, side by side."""
     from hlserve.bench.driver import compare_configs, format_comparison
-    from hlserve.bench.workloads import AgentWorkload
+    from hlserve.workloads import AgentWorkload
 
     model = args.model or str(default_model())
     workload = AgentWorkload(sessions=args.sessions, rounds=args.rounds,

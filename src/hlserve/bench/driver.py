@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from hlserve.bench.workloads import AgentWorkload
 from hlserve.engine.engine import Engine
 from hlserve.request import RequestOutput, SamplingParams
+from hlserve.workloads import AgentWorkload
 
 R = TypeVar("R")
 

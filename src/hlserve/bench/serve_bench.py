@@ -6,7 +6,7 @@ Three workloads, one client (:mod:`hlserve.bench.client`), one set of metrics
 - ``agent``: closed loop. N sessions, each holding one concurrency slot; a session sends
   round r the moment round r−1 completes (plus ``think_time``), and round r's prompt is
   round r−1's prompt and output plus a new tool result. Lengths from
-  :class:`~hlserve.bench.workloads.AgentWorkload`'s distributions, or from the chains of a
+  :class:`~hlserve.workloads.AgentWorkload`'s distributions, or from the chains of a
   Mooncake-format trace (``--trace``). A failed round ends its session (counted in
   ``sessions_failed``; an agent that lost a round has lost its context).
 - ``chat``: open loop, Poisson arrivals at ``--request-rate`` (optionally capped at
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
 from hlserve.bench.metrics import SLO, RequestRecord, summarize
-from hlserve.bench.workloads import (
+from hlserve.workloads import (
     AgentWorkload,
     Dist,
     MooncakeTrace,

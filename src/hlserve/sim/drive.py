@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from hlserve.bench.driver import RequestRecord, RunResult, fewer_gc_passes, record_of
-from hlserve.bench.workloads import AgentWorkload, Arrival, MooncakeTrace
 from hlserve.engine.engine import Engine
 from hlserve.request import RequestOutput, SamplingParams
+from hlserve.workloads import AgentWorkload, Arrival, MooncakeTrace
 
 
 def _params(n: int) -> SamplingParams:

@@ -122,9 +122,9 @@ class Point:
 def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Simulate one point; returns its JSON record. ``options`` adds engine options on top of
     the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object."""
-    from hlserve.bench.workloads import AgentWorkload
     from hlserve.sim.build import build_sim_engine
     from hlserve.sim.drive import run_agent_steady
+    from hlserve.workloads import AgentWorkload
 
     opts = {**system_options(point.system, point.knob), **(options or {})}
     max_len = point.context + 4096

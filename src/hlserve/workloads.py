@@ -363,7 +363,7 @@ class ScaledTrace:
 def trace_requests(st: ScaledTrace, time_scale: float = 1.0, max_len: int | None = None
                    ) -> tuple[list[OpenRequest], int]:
     """Open-loop replay: request i at t_i / time_scale seconds (as
-    :func:`~hlserve.bench.workloads.trace_arrivals`: 2 replays twice as fast). Requests whose
+    :func:`~hlserve.workloads.trace_arrivals`: 2 replays twice as fast). Requests whose
     prompt + output would not fit ``max_len`` are left out; returns (requests, left out)."""
     out, skipped = [], 0
     for r in st.trace.requests:
@@ -380,7 +380,7 @@ class TraceSession:
     """A closed-loop agent session along one chain of a trace: round r's prompt is round
     r−1's prompt and output plus new ids up to the trace's (scaled) input length, at least
     ``min_new`` of them (the tool result); output lengths from the trace. Duck-types
-    :class:`~hlserve.bench.workloads.AgentSession`."""
+    :class:`~hlserve.workloads.AgentSession`."""
 
     session_id: int
     rounds_spec: list[tuple[int, int]]  # (input length, output length), scaled
