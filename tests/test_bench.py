@@ -146,7 +146,7 @@ def test_chat_and_trace_workloads(server, tmp_path: Path) -> None:
 
 
 def _slo(**kw):
-    from hlserve.bench.metrics import SLO
+    from hlserve.driver.records import SLO
 
     return SLO(**kw)
 

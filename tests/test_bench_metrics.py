@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from hlserve.bench.metrics import SLO, RequestRecord, summarize
 
 from hlserve.bench import report
 from hlserve.bench.sweep import Point, make_points, parse_sizes, server_command
+from hlserve.driver.records import SLO, RequestRecord, summarize
 from hlserve.workloads import (
     MooncakeTrace,
     ScaledTrace,

@@ -99,7 +99,7 @@ def test_steady_state_driver() -> None:
     res = run_agent_steady(engine, w, duration=40.0, warmup=10.0)
     assert res.duration == pytest.approx(40.0)
     assert res.sessions_started > 8  # ended sessions were replaced
-    assert all(r.arrival >= 10.0 and r.finish <= 50.0 for r in res.records)
+    assert all(r.start >= 10.0 and r.end <= 50.0 for r in res.records)
     assert res.summary()["total_token_throughput"] > 0
     # contexts grow up to the target and no further
     assert max(r.prompt_tokens + r.output_tokens for r in res.records) <= 8192
@@ -122,7 +122,7 @@ def test_steady_state_ramp_and_stall() -> None:
     engine = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", num_pages=5000)
     w = AgentWorkload.for_context(8192, sessions=4, rounds=2, vocab=(3, 150000))
     res = run_agent_steady(engine, w, duration=20.0, warmup=10.0, ramp=8.0)
-    firsts = sorted(r.arrival for r in res.records)
+    firsts = sorted(r.start for r in res.records)
     assert not res.stalled and firsts and firsts[0] >= 10.0
     # a budget of zero schedules nothing: the engine is stalled and the window passes empty
     engine = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", num_pages=5000)

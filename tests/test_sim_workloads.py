@@ -66,7 +66,7 @@ def test_open_and_closed_trace_replay(tmp_path) -> None:
     # open loop: each request arrives at its timestamp on the virtual clock
     e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", check_invariants=True)
     res = run_open_loop(e, trace_arrivals(tr))
-    arrivals = sorted(r.arrival for r in res.records)
+    arrivals = sorted(r.start for r in res.records)
     assert arrivals == pytest.approx([r["timestamp"] / 1000 for r in ROWS])
     assert [r.output_tokens for r in sorted(res.records, key=lambda r: r.session_id)] == \
         [r["output_length"] for r in ROWS]
@@ -75,10 +75,10 @@ def test_open_and_closed_trace_replay(tmp_path) -> None:
     res = run_trace_closed(e, tr)
     by = {r.round: r for r in res.records}  # round = trace index
     assert len(by) == 5
-    assert by[2].arrival == pytest.approx(by[0].finish)
-    assert by[3].arrival == pytest.approx(by[2].finish)
-    assert by[4].arrival == pytest.approx(by[0].finish)
-    assert by[1].arrival == pytest.approx(0.5)  # a root: at its timestamp
+    assert by[2].start == pytest.approx(by[0].end)
+    assert by[3].start == pytest.approx(by[2].end)
+    assert by[4].start == pytest.approx(by[0].end)
+    assert by[1].start == pytest.approx(0.5)  # a root: at its timestamp
     assert len(res.session_times) == 2  # chains rooted at 0 and 1
     # the continuation hits the prefix its parent left in the cache
     assert by[3].cached_tokens >= 3 * BLOCK - 16
@@ -86,7 +86,7 @@ def test_open_and_closed_trace_replay(tmp_path) -> None:
     e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput")
     res = run_trace_closed(e, tr, concurrency=1)
     by = {r.round: r for r in res.records}
-    assert by[1].arrival >= max(by[k].finish for k in (0, 2, 3, 4)) - 1e-9
+    assert by[1].start >= max(by[k].end for k in (0, 2, 3, 4)) - 1e-9
 
 
 def test_poisson_chat() -> None:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hlserve.bench.metrics import SLO
+from hlserve.driver.records import SLO
 from hlserve.request import REQUEST_CLASSES
 
 

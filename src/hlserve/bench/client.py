@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from hlserve.bench.metrics import RequestRecord
+from hlserve.driver.records import RequestRecord
 
 PROBE_PROMPT = [11, 12, 13, 14]
 

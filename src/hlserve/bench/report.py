@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hlserve.driver.records import human_tax
+
 THROUGHPUT = "total_token_throughput"
 
 
@@ -52,16 +54,24 @@ def default_targets(points: Sequence[dict[str, Any]]) -> list[tuple[float | None
 def tax_rows(points: Sequence[dict[str, Any]],
              targets: Sequence[tuple[float | None, float | None]] | None = None,
              metric: str = THROUGHPUT) -> list[dict[str, Any]]:
-    top = best(points, metric=metric)
-    top_v = _num(top["result"].get(metric)) if top else float("nan")
+    """One row per SLO target: its best configuration and the human tax, by the one tax
+    function (:func:`hlserve.driver.records.human_tax`) over the points that completed with
+    no failure."""
+    valid = [p for p in points if meets(p, None, None)]
+
+    def value(p: dict[str, Any]) -> float:
+        return _num(p["result"].get(metric))
+
     rows = []
     for ttft, tpot in targets if targets is not None else default_targets(points):
-        b = best(points, ttft, tpot, metric)
-        v = _num(b["result"].get(metric)) if b else float("nan")
+        tax, b, top = human_tax(valid, value, lambda p, x=ttft, y=tpot: meets(p, x, y))
         rows.append({"slo_p99_ttft_ms": ttft, "slo_p99_tpot_ms": tpot,
-                     "best_config": b["label"] if b else None, "throughput": v,
-                     "unconstrained": top_v, "unconstrained_config": top["label"] if top else None,
-                     "human_tax": 1 - v / top_v if b and top_v > 0 else (1.0 if top else None)})
+                     "best_config": b["label"] if b else None,
+                     "throughput": value(b) if b else float("nan"),
+                     "unconstrained": value(top) if top else float("nan"),
+                     "unconstrained_config": top["label"] if top else None,
+                     # no positive best throughput at all: nothing can meet it, all is tax
+                     "human_tax": tax if tax is not None else (1.0 if top else None)})
     return rows
 
 

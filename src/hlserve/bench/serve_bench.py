@@ -1,7 +1,7 @@
 """``hlserve bench``: the agent-era benchmark against any OpenAI-compatible server.
 
-Three workloads, one client (:mod:`hlserve.bench.client`), one set of metrics
-(:mod:`hlserve.bench.metrics`):
+Three workloads, one client (:mod:`hlserve.bench.client`), the records and summary every
+driver shares (:mod:`hlserve.driver.records`):
 
 - ``agent``: closed loop. N sessions, each holding one concurrency slot; a session sends
   round r the moment round r−1 completes (plus ``think_time``), and round r's prompt is
@@ -33,7 +33,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
-from hlserve.bench.metrics import SLO, RequestRecord, summarize
+from hlserve.driver.records import SLO, RequestRecord, summarize
 from hlserve.workloads import (
     AgentWorkload,
     Dist,
@@ -96,8 +96,9 @@ class BenchSpec:
     label: str | None = None
 
 
-class _Recorder:
-    """Collects records, writes the JSONL as they come, drives the progress bar."""
+class Recorder:
+    """Collects records, writes the JSONL as they come, drives the progress bar (HTTP runs
+    and the in-process sweep alike)."""
 
     def __init__(self, spec: BenchSpec, total: int) -> None:
         self.records: list[RequestRecord] = []
@@ -143,7 +144,7 @@ class _Recorder:
             self.file.close()
 
 
-async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec: _Recorder) -> None:
+async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec: Recorder) -> None:
     async def one(session: Any) -> None:
         started: float | None = None
         r: RequestRecord | None = None
@@ -168,7 +169,7 @@ async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec:
 
 
 async def _open_loop(client: BenchClient, requests: list[OpenRequest], spec: BenchSpec,
-                     rec: _Recorder) -> None:
+                     rec: Recorder) -> None:
     sem = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
 
     async def one(i: int, req: OpenRequest) -> None:
@@ -187,7 +188,8 @@ async def _open_loop(client: BenchClient, requests: list[OpenRequest], spec: Ben
     await asyncio.gather(*(one(i, q) for i, q in enumerate(requests)))
 
 
-def _agent_sessions(spec: BenchSpec, info: ServerInfo) -> tuple[list[Any], dict[str, Any]]:
+def agent_sessions(spec: BenchSpec, info: ServerInfo) -> tuple[list[Any], dict[str, Any]]:
+    """The spec's agent sessions (generated, or a trace's chains) and what to record of them."""
     if spec.trace:
         sessions = trace_sessions(_scaled_trace(spec), spec.sessions, spec.rounds,
                                   max_len=info.max_model_len)
@@ -223,10 +225,10 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
         info = await client.probe(spec.token_prompts, spec.return_token_ids)
         extra: dict[str, Any] = {}
         if spec.workload == "agent":
-            sessions, extra = _agent_sessions(spec, info)
+            sessions, extra = agent_sessions(spec, info)
             total = sum(len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
                         for s in sessions)
-            rec = _Recorder(spec, total)
+            rec = Recorder(spec, total)
             try:
                 await _agent(client, sessions, spec, rec)
             finally:
@@ -253,7 +255,7 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
                          "length_scale": spec.length_scale, "trace_skipped_too_long": skipped}
                 span = requests[-1].send_at - requests[0].send_at if requests else 0.0
                 rate = len(requests) / span if span > 0 else math.inf
-            rec = _Recorder(spec, len(requests))
+            rec = Recorder(spec, len(requests))
             try:
                 await _open_loop(client, requests, spec, rec)
             finally:

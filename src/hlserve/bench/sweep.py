@@ -34,13 +34,11 @@ from typing import Any
 
 from hlserve.bench import report
 from hlserve.bench.client import ServerInfo
-from hlserve.bench.driver import fewer_gc_passes
-from hlserve.bench.metrics import RequestRecord, summarize
-from hlserve.bench.serve_bench import BenchSpec, _agent_sessions, _Recorder, run_bench
+from hlserve.bench.serve_bench import BenchSpec, Recorder, agent_sessions, run_bench
 from hlserve.config import UNLIMITED, plain
+from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
+from hlserve.driver.records import summarize
 from hlserve.engine.args import UNLIMITED_WORDS, parse_engine_args
-from hlserve.errors import InvalidRequestError
-from hlserve.request import RequestOutput, SamplingParams
 from hlserve.server.launch import ExternalServer, free_port
 
 # ---- points -------------------------------------------------------------------------------
@@ -112,72 +110,27 @@ def session_rounds(s: Any) -> int:
     return len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
 
 
-@fewer_gc_passes
 def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[str, Any]:
-    """The agent closed loop on an in-process engine: each session's next round is added in
-    the iteration its last one finished. Times on the engine's clock (wall or virtual); one
+    """The agent closed loop (:mod:`hlserve.driver.closed_loop`) on an in-process engine,
+    every session run to its end. Times on the engine's clock (wall or virtual, named in the
+    result's ``clock``), from when the engine took a request to when it finished it; one
     token per chunk, so ITL is the gap between tokens."""
-    clock = engine.clock
-    rec = _Recorder(spec, sum(session_rounds(s) for s in sessions))
-    t0 = clock()
-    inflight: dict[str, tuple[Any, RequestRecord, list[int]]] = {}
-    started: dict[int, float] = {}
-
-    def submit(s: Any) -> None:
-        prompt, out_len = s.next_request()
-        r = RequestRecord(request_id=f"s{s.session_id}-r{s.round}", session_id=s.session_id,
-                          round=s.round, start=clock() - t0, prompt_tokens=len(prompt),
-                          expected_output_tokens=out_len)
-        started.setdefault(s.session_id, r.start)
-        try:
-            req = engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0,
-                                                            ignore_eos=True))
-        except InvalidRequestError as e:
-            r.end, r.error = r.start, f"rejected: {e}"
-            rec.add(r, prompt, None)
-            rec.sessions_failed += 1
-            return
-        inflight[req.request_id] = (s, r, prompt)
-
+    rec = Recorder(spec, sum(session_rounds(s) for s in sessions))
     try:
-        for s in sessions:
-            submit(s)
-        while inflight:
-            for req in engine.step_requests():  # only finished requests are read
-                if not req.finished or req.request_id not in inflight:
-                    continue
-                s, r, prompt = inflight.pop(req.request_id)
-                out = RequestOutput.of(req)
-                r.chunk_times = [t - t0 for t in req.token_times]
-                r.end = (out.metrics.get("finish_time") or clock()) - t0
-                r.output_tokens = len(out.token_ids)
-                r.cached_tokens = out.num_cached_tokens
-                r.finish_reason = str(out.finish_reason)
-                if r.finish_reason not in ("stop", "length") or not out.token_ids:
-                    r.error = f"finished with {r.finish_reason}: {out.error or ''}".strip()
-                    rec.add(r, prompt, None)
-                    rec.sessions_failed += 1
-                    continue
-                r.success = True
-                rec.add(r, prompt, out.token_ids)
-                s.complete(out.token_ids)
-                if s.done:
-                    rec.session_times.append(r.end - started[s.session_id])
-                else:
-                    submit(s)
+        res = run_closed_loop(engine, sessions.__getitem__, len(sessions),
+                              Loop(token_times=True), on_record=rec.add)
     finally:
         rec.close()
-    duration = max((r.end for r in rec.records), default=0.0)
-    return summarize(rec.records, duration, spec.slo, rec.session_times, rec.sessions_failed,
+    virtual = hasattr(engine.clock, "advance")
+    return summarize(res.records, res.duration, spec.slo, res.session_times,
+                     res.sessions_failed,
                      {"backend": "in-process", "label": spec.label, "workload": "agent",
-                      "max_concurrency": len(sessions), "num_prompts": len(rec.records),
-                      "request_file": rec.path, "clock": "virtual" if hasattr(clock, "advance")
-                      else "wall"})
+                      "max_concurrency": len(sessions), "num_prompts": len(res.records),
+                      "request_file": rec.path, "clock": "virtual" if virtual else "wall"})
 
 
 def _warm_up(engine: Any) -> None:
-    engine.add_request([5, 6, 7, 8] * 8, SamplingParams(max_tokens=4, temperature=0.0,
-                                                         ignore_eos=True))
+    engine.add_request([5, 6, 7, 8] * 8, greedy(4))
     while engine.has_unfinished():
         engine.step()
 
@@ -196,7 +149,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
         _warm_up(engine)
     try:
         info = ServerInfo(model=model, max_model_len=engine.max_model_len)
-        sessions, extra = _agent_sessions(spec, info)
+        sessions, extra = agent_sessions(spec, info)
         res = run_engine_agent(engine, sessions, spec)
         res.update(extra)
         res["engine_options"] = plain(opts)  # as asked (unlimited as null)

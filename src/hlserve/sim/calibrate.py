@@ -408,7 +408,7 @@ def _calibrate(model_dir: str, name: str, quick: bool, device: str, progress: bo
     del runner
     # stage 3: host time around the forward, from a real engine run
     engine, rec = real_engine(str(model_dir), {**CALIBRATION_OPTIONS, "device": device})
-    from hlserve.bench.driver import run_agent_sessions
+    from hlserve.driver.closed_loop import run_agent_sessions
 
     run_agent_sessions(engine, AgentWorkload(**CALIBRATION_WORKLOAD), progress=False)
     steps = rec.finish()
@@ -467,7 +467,7 @@ def fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None = None
 
 def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
               engine_options: dict[str, Any] | None, device: str) -> dict[str, Any]:
-    from hlserve.bench.driver import run_agent_sessions
+    from hlserve.driver.closed_loop import run_agent_sessions
     from hlserve.engine.engine import Engine, VirtualClock
     from hlserve.sim.runner import SimRunner
 

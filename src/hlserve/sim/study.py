@@ -31,6 +31,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hlserve.driver import records
+
 # system -> (options, knob swept, default sweep)
 ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {
     "hlserve-chunked": ({"chunk_size": 8192}, "greedy prefill off: chunks of 8192 (SGLang's H20 default)"),
@@ -271,17 +273,17 @@ def group(recs: Iterable[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str
 def human_tax(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
               systems: Iterable[str] | None = None, metric: str = METRIC,
               ) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
-    """(tax, best point meeting the SLO, best point overall); ``systems`` restricts the
-    constrained choice (e.g. SGLang's own configurations)."""
+    """(tax, best point meeting the SLO, best point overall), by the one tax function
+    (:func:`hlserve.driver.records.human_tax`); ``systems`` restricts the constrained choice
+    (e.g. SGLang's own configurations); NaN when no point has a throughput."""
     allowed = set(systems) if systems is not None else None
-    best_u = max(recs, key=lambda r: _thr(r, metric), default=None)
-    ok = [r for r in recs if _lat(r, "p99_ttft_ms") <= ttft_ms and _lat(r, "p99_tpot_ms") <= tpot_ms
-          and (allowed is None or r["point"]["system"] in allowed)]
-    best_c = max(ok, key=lambda r: _thr(r, metric), default=None)
-    if best_u is None or _thr(best_u, metric) <= 0:
-        return float("nan"), best_c, best_u
-    tax = 1.0 - (_thr(best_c, metric) if best_c else 0.0) / _thr(best_u, metric)
-    return tax, best_c, best_u
+
+    def meets(r: dict[str, Any]) -> bool:
+        return (_lat(r, "p99_ttft_ms") <= ttft_ms and _lat(r, "p99_tpot_ms") <= tpot_ms
+                and (allowed is None or r["point"]["system"] in allowed))
+
+    tax, best_c, best_u = records.human_tax(recs, lambda r: _thr(r, metric), meets)
+    return (math.nan if tax is None else tax), best_c, best_u
 
 
 def pareto(xs: list[float], ys: list[float]) -> list[int]:

@@ -1,15 +1,27 @@
-"""Benchmark metrics: per-request records and the result summary.
+"""One request record, one summary and one human-tax function, for every driver: the HTTP
+benchmark, the in-process closed loop (demo, sweep, calibration) and the simulated study.
 
 Key names follow vLLM's ``bench serve`` result JSON where vLLM has the quantity, so results
 from ``hlserve bench`` and ``vllm bench serve`` can be read by the same scripts; session keys
-are ours. Every time is measured by the client, on one monotonic clock
-(``time.perf_counter``), from the moment the request is sent.
+are ours. Every time of a record is in seconds from the run's start, on one clock, which
+the result's ``clock`` key names:
+
+- over HTTP (``hlserve bench``, a sweep's ``--server-cmd``): the client's clock
+  (``time.perf_counter``); ``start`` is when the request was sent, ``chunk_times`` when each
+  content chunk was received, ``end`` when the response ended;
+- in-process (``hlserve demo``, the in-process sweep, calibration, the study): the engine's
+  clock, ``wall`` (``time.monotonic``) or ``virtual`` (the simulator's, advanced by each
+  step's predicted time); ``start`` is when the engine took the request (its
+  ``arrival_time``), ``first_token`` / ``chunk_times`` when the engine produced the first /
+  each token (one token per chunk), ``end`` when the engine finished it. No network or
+  client is in between.
 
 Definitions (n = output tokens of a request):
 
-- ``ttft``  = first content chunk received − request sent
+- ``ttft``  = first content chunk received (first token produced) − request sent (taken)
 - ``e2el``  = last chunk received − request sent (end-to-end latency)
-- ``tpot``  = (e2el − ttft) / (n − 1), requests with n > 1 only (vLLM's definition)
+- ``tpot``  = (e2el − ttft) / (n − 1), requests with n > 1 only (vLLM's definition),
+  computed as (end − first token) / (n − 1)
 - ``itl``   = gaps between consecutive content chunks of a request, pooled over all
   requests (a chunk that carries several tokens is one gap, as in vLLM)
 - ``duration`` = last request finished − benchmark started
@@ -39,9 +51,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -62,19 +74,21 @@ FORMULAS = {
     "percentiles": "linear interpolation (numpy default), as vLLM",
 }
 
+P = TypeVar("P")
 STATS = ("mean", "median", "std", "p90", "p99")
 
 
 @dataclass
 class RequestRecord:
-    """One request as the client saw it; times in seconds from the benchmark's start."""
+    """One request; times in seconds from the run's start, on the run's clock (above)."""
 
     request_id: str
     session_id: int | None = None
     round: int | None = None
-    start: float = 0.0  # sent
+    start: float = 0.0  # sent (HTTP) / taken by the engine (in-process)
     end: float = 0.0  # finished (success or failure)
-    chunk_times: list[float] = field(default_factory=list)  # content chunks received
+    chunk_times: list[float] = field(default_factory=list)  # content chunks received / tokens
+    first_token: float | None = None  # in-process: the first token, when chunk_times is not kept
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
@@ -86,8 +100,14 @@ class RequestRecord:
     scheduled_at: float | None = None  # when the workload meant it to be sent (open loop)
 
     @property
+    def first(self) -> float | None:
+        """When the first content chunk (token) came."""
+        return self.chunk_times[0] if self.chunk_times else self.first_token
+
+    @property
     def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.start if self.chunk_times else None
+        first = self.first
+        return None if first is None else first - self.start
 
     @property
     def e2el(self) -> float:
@@ -95,10 +115,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        ttft = self.ttft
-        if ttft is None or self.output_tokens < 2:
+        first = self.first
+        if first is None or self.output_tokens < 2:
             return None
-        return (self.e2el - ttft) / (self.output_tokens - 1)
+        return (self.end - first) / (self.output_tokens - 1)
 
     @property
     def itls(self) -> list[float]:
@@ -142,8 +162,8 @@ def stat(values: Sequence[float], how: str) -> float | None:
     a = np.asarray(values, dtype=float)
     if how == "mean":
         return float(a.mean())
-    if how == "median":
-        return float(np.median(a))
+    if how == "median":  # the 50th percentile, interpolated as the others
+        return float(np.percentile(a, 50))
     if how == "std":
         return float(a.std())
     if how.startswith("p"):
@@ -219,3 +239,48 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
         return None
     return v
+
+
+# ---- the short in-process summary ----------------------------------------------------------
+
+# the keys of RunResult.summary(), from the full summary (in-process records never lack a
+# cached count, so total_cached_tokens is reported as cached_tokens)
+BRIEF_KEYS = {"duration": "duration", "completed": "completed",
+              "total_input_tokens": "total_input_tokens",
+              "total_output_tokens": "total_output_tokens", "cached_tokens": "total_cached_tokens",
+              "output_throughput": "output_throughput",
+              "total_token_throughput": "total_token_throughput",
+              "median_ttft_ms": "median_ttft_ms", "p99_ttft_ms": "p99_ttft_ms",
+              "median_tpot_ms": "median_tpot_ms", "p99_tpot_ms": "p99_tpot_ms",
+              "median_session_time_s": "median_session_time_s",
+              "p99_session_time_s": "p99_session_time_s"}
+
+
+@dataclass
+class RunResult:
+    """A closed-loop or open-loop run on an in-process engine: its records (times from the
+    run's start, on the engine's clock), the measured duration and session times."""
+
+    records: list[RequestRecord]
+    duration: float
+    session_times: list[float]
+
+    def summary(self) -> dict[str, Any]:
+        """The main keys of :func:`summarize` (NaN, not None, where there are no values)."""
+        full = summarize(self.records, self.duration, session_times=self.session_times)
+        return {k: math.nan if full[src] is None else full[src] for k, src in BRIEF_KEYS.items()}
+
+
+# ---- the human tax ---------------------------------------------------------------------------
+
+
+def human_tax(points: Sequence[P], value: Callable[[P], float], meets: Callable[[P], bool],
+              ) -> tuple[float | None, P | None, P | None]:
+    """(tax, best point meeting the target, best point of all) by ``value`` (a throughput):
+    tax = 1 − best meeting / best of all (DESIGN.md, "Frontier and tax"), 1 when nothing
+    meets the target, None when no point has a positive throughput."""
+    top = max(points, key=value, default=None)
+    best = max((p for p in points if meets(p)), key=value, default=None)
+    if top is None or not value(top) > 0:
+        return None, best, top
+    return 1.0 - (value(best) if best is not None else 0.0) / value(top), best, top
