@@ -1,0 +1,1 @@
+"""`hlserve serve`: the OpenAI-compatible HTTP server around one engine thread."""
