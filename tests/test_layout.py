@@ -1,5 +1,5 @@
 """The package's layout rules (docs/architecture.md), read from the source with ``ast``:
-imports between the package's folders and top-level modules form no cycle, ``engine/``
+imports flow down the layers and form no cycle between folders and top-level modules, ``engine/``
 reaches no layer above it, ``runner/`` sees the engine only through its runner interface,
 only the CLI's own modules import ``hlserve.cli``, no function is longer than
 ``MAX_FUNCTION_LINES``, and every module opens with a docstring."""
@@ -20,6 +20,23 @@ MAX_FUNCTION_LINES = 80
 ENGINE_MAY_NOT_IMPORT = ("runner", "sim", "server", "bench", "driver", "cli", "llm",
                          "integrations")
 RUNNER_SEES_OF_ENGINE = {"hlserve.engine.batch"}
+# The one rule of the imports (docs/architecture.md): a module imports from its own folder or
+# top-level module, or from a layer below its own; layers on one line are peers and do not
+# import each other. runner/ sits above engine/: it implements the engine's Runner interface.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hlserve",),  # the package root: re-exports the offline API
+    ("cli",),
+    ("bench",),
+    ("server", "sim", "integrations"),
+    ("driver",),
+    ("llm",),
+    ("runner",),
+    ("engine",),
+    ("models", "tokenizer"),
+    ("workloads", "config", "cpu_runtime"),
+    ("request",),
+    ("errors",),
+)
 # functions over the limit not yet split (each one a debt; the list only shrinks)
 LONG_FUNCTION_EXCEPTIONS: set[str] = set()
 
@@ -129,6 +146,21 @@ def test_no_import_cycle_between_folders_and_top_level_modules() -> None:
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(
         f"{' <-> '.join(c)}:\n    " + "\n    ".join(edges_between(graph, c)) for c in found)
+
+
+def rank(u: str) -> int:
+    name = u.removeprefix("hlserve.")
+    ranks = [i for i, layer in enumerate(LAYERS) if name in layer]
+    assert ranks, f"{u} is in no layer: add it to LAYERS and to docs/architecture.md"
+    return ranks[0]
+
+
+def test_imports_flow_downward() -> None:
+    graph = unit_graph()
+    bad = sorted(f"{mod} -> {t}" for mod in MODULES for t in imports_of(mod)
+                 if unit(t) not in (unit(mod), "hlserve")
+                 and rank(unit(t)) <= rank(unit(mod)))
+    assert graph and not bad, "imports that do not flow downward (LAYERS):\n" + "\n".join(bad)
 
 
 def test_engine_imports_no_layer_above_it() -> None:
