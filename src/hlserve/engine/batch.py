@@ -1,6 +1,8 @@
-"""The seam between the scheduler and whatever executes a batch: the batch and result types
-and the ``Runner`` interface, which the real runner (``runner/``) and the simulated one
-(``sim/``) implement. The engine owns this interface; runners import it, never the reverse."""
+"""The seam the engine owns between its scheduler and whatever executes a batch: the batch and
+result types and the ``Runner`` interface.
+
+The real runner (``runner/``) and the simulated one (``sim/runner.py``) implement it; they
+import this module, and the engine imports no runner (it is handed one)."""
 
 from __future__ import annotations
 

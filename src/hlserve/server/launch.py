@@ -1,6 +1,9 @@
-"""Start a server as a child process and wait until it answers ``/health``: ``hlserve serve``
-itself (:class:`ServerProcess`, for tests and benchmarks) or any OpenAI-compatible server
-command (:class:`ExternalServer`, for ``hlserve sweep`` and the peer benchmarks)."""
+"""Start a server as a child process in its own process group and wait until it answers
+``/health``; tear the group down after.
+
+``hlserve serve`` itself (:class:`ServerProcess`, for tests and benchmarks) or any
+OpenAI-compatible server command (:class:`ExternalServer`, for ``hlserve sweep`` and the peer
+benchmarks)."""
 
 from __future__ import annotations
 
