@@ -24,7 +24,7 @@ def compare_configs(
     for name, options in configs.items():
         engine = build_engine(model, **{**common, **options})
         summary = run_agent_sessions(engine, workload, progress=progress).summary()
-        summary["retractions"] = engine.scheduler.num_retractions
+        summary["retractions"] = engine.num_retractions
         summary["iterations"] = engine.stats.steps
         results[name] = summary
     return results

@@ -155,7 +155,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
         res["engine_options"] = plain(opts)  # as asked (unlimited as null)
         res["engine_config"] = dataclasses.asdict(engine.config)  # as resolved (presets)
         res["engine_caps"] = getattr(engine, "caps_report", None)
-        res["retractions"] = engine.scheduler.num_retractions
+        res["retractions"] = engine.num_retractions
         return res
     finally:
         del engine

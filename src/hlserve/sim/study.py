@@ -146,7 +146,7 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
         **res.extra,
         "sessions_per_hour": 3600 * len(res.session_times) / res.duration,
         "median_session_time_s": s.get("median_session_time_s", float("nan")),
-        "retractions": engine.scheduler.num_retractions,
+        "retractions": engine.num_retractions,
         "errors": res.errors,
         "iterations": engine.stats.steps,
         "mixed_iterations": runner.mixed_steps,
