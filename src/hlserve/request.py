@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hlserve.errors import InvalidRequestError
 
@@ -28,10 +28,24 @@ class SamplingParams:
     # log-probabilities of each sampled token and of the ``logprobs`` most likely ones, from
     # the model's raw distribution (vLLM's default); None: not computed
     logprobs: int | None = None
+    # logits adjustments, vLLM's semantics (applied before temperature and the filters):
+    # repetition over prompt and output tokens (a positive logit divided by it, a negative one
+    # multiplied); presence / frequency over output tokens only (subtracted once / per count)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> bias added to its logit; not hashed (a dict), compared
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    # n choices per prompt (forked sequences sharing the prompt's pages); best_of >= n
+    # sequences are generated and the n of highest cumulative logprob returned (vLLM V0)
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -64,6 +78,58 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t <= INT32_MAX:
                 raise InvalidRequestError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {t!r}")
+        self._validate_adjustments()
+        self._validate_choices()
+
+    def _validate_adjustments(self) -> None:
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, "
+                                          f"got {len(self.logit_bias)}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                    raise InvalidRequestError(f"logit_bias keys must be token ids, got {t!r}")
+                if not _is_real(b) or not -100 <= b <= 100:
+                    raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {b!r} "
+                                              f"for token {t}")
+
+    def _validate_choices(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= MAX_N):
+            raise InvalidRequestError(
+                f"best_of must be an integer in [n={self.n}, {MAX_N}], got {self.best_of!r}")
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences a prompt forks into: best_of, else n."""
+        return self.best_of or self.n
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler has penalties or a bias to apply (else it does no extra work)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+
+    def for_sibling(self, i: int) -> SamplingParams:
+        """Sequence ``i`` of a fork: one choice, and with a seed its own (seed + i, as vLLM
+        derives them, wrapped into the seed range) so seeded siblings differ but reproduce.
+        best_of needs each sequence's cumulative logprob, so it computes logprobs."""
+        seed = self.seed
+        if seed is not None and i:
+            seed = (seed + i + 2**63) % 2**64 - 2**63
+        logprobs = self.logprobs
+        if self.best_of is not None and self.best_of > self.n and logprobs is None:
+            logprobs = 0
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +139,8 @@ class SamplingParams:
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+MAX_N = 128  # sequences per prompt (n, best_of): bounded work per request
+MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per step
 INT32_MAX = 2**31 - 1  # counts and token ids: plenty, and safe in any index tensor
 FLOAT32_MAX = 3.4028234663852886e38  # larger floats are inf once in a float32 tensor
 
@@ -83,6 +151,13 @@ def _is_int(x: object) -> bool:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _as_bias(value: object) -> dict:
+    """``logit_bias`` as a dict (a copy: the params are frozen); keys as sent."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {value!r}")
+    return dict(value)
 
 
 def _as_tuple(value: object, name: str, kind: type) -> tuple:

@@ -144,6 +144,11 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if params.logit_bias:
+            vocab = self.runner.model_config.vocab_size
+            if bad := sorted(t for t in params.logit_bias if t >= vocab)[:5]:
+                raise InvalidRequestError(f"logit_bias has token ids not in the vocabulary "
+                                          f"[0, {vocab}): {bad}")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's maximum context length is "
