@@ -124,3 +124,56 @@ def test_logit_bias_out_of_vocab_is_refused_and_engine_lives(llm) -> None:
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.generate([[5, 6]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+
+
+# ---- n > 1 and best_of: forked sequences ------------------------------------------------------
+
+
+def test_greedy_n_gives_identical_choices_sharing_the_prompt_pages(tiny_llama: Path, hf) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=512, page_size=16,
+              check_invariants=True)
+    prompt = prompts(hf.config.vocab_size)[1]  # 40 tokens: two full pages and a partial one
+    params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, n=4,
+                            repetition_penalty=1.3)
+    before = llm.engine.stats.computed_tokens
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    ref = hf_adjusted_greedy(hf, prompt, N, rep=1.3)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(c.token_ids == ref for c in out.outputs)
+    # siblings wait for the first's prefill and find its two full pages cached: each computes
+    # only the last partial page of the prompt
+    reqs_cached = (len(prompt) - 1) // 16 * 16
+    assert out.num_cached_tokens == 0
+    computed = llm.engine.stats.computed_tokens - before
+    assert computed == len(prompt) + 3 * (len(prompt) - reqs_cached) + 4 * (N - 1)
+    kv = llm.engine.kv
+    kv.check_invariants()  # used + free + cached == pool
+    assert kv.num_used == 0
+
+
+def test_seeded_siblings_differ_and_reproduce(llm, hf) -> None:
+    prompt = prompts(hf.config.vocab_size)[1]
+    params = SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True, n=3, seed=42)
+    a = llm.generate([prompt], params, use_tqdm=False)[0]
+    b = llm.generate([prompt], params, use_tqdm=False)[0]
+    ids = [c.token_ids for c in a.outputs]
+    assert ids == [c.token_ids for c in b.outputs]
+    assert len({tuple(x) for x in ids}) == 3
+    # sibling i is the single request with seed 42 + i
+    for i in range(3):
+        one = SamplingParams(max_tokens=N, temperature=1.0, ignore_eos=True, seed=42 + i)
+        assert llm.generate([prompt], one, use_tqdm=False)[0].token_ids == ids[i]
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(llm, hf) -> None:
+    prompt = prompts(hf.config.vocab_size)[2]
+    best = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, n=2, best_of=5,
+                          seed=7)
+    out = llm.generate([prompt], best, use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and all(c.logprobs is None for c in out.outputs)
+    every = [llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0,
+                                                   ignore_eos=True, seed=7 + i, logprobs=0),
+                          use_tqdm=False)[0] for i in range(5)]
+    ranked = sorted(every, key=lambda o: -o.cumulative_logprob)
+    assert [c.token_ids for c in out.outputs] == [o.token_ids for o in ranked[:2]]
+    assert out.outputs[0].cumulative_logprob == pytest.approx(ranked[0].cumulative_logprob)

@@ -225,6 +225,9 @@ class Request:
     # prefix-cache namespace (vLLM's ``cache_salt``): pages cached under one salt are never
     # matched by a request with another; None is the shared namespace
     cache_salt: str | None = None
+    # a forked sibling (n > 1) waits for its leader's prefill, then finds the prompt's pages
+    # in the prefix cache instead of computing them again
+    leader: Request | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -291,8 +294,22 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One choice of a prompt (vLLM's ``CompletionOutput``): n > 1 gives several."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
 class RequestOutput:
-    """What a caller gets back: final or, when streaming, cumulative so far."""
+    """What a caller gets back: final or, when streaming, cumulative so far. The top-level
+    text and tokens are the first choice's; ``outputs`` lists every choice (vLLM's shape)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -305,6 +322,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
+    choices: list[CompletionOutput] | None = None  # n > 1: every choice; None: just this one
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self.choices is not None:
+            return self.choices
+        return [self.as_choice(0)]
+
+    def as_choice(self, index: int) -> CompletionOutput:
+        return CompletionOutput(index, self.text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs, when they were computed."""
+        return None if self.logprobs is None else sum(e.logprob for e in self.logprobs)
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
@@ -326,3 +359,23 @@ class RequestOutput:
                 "finish_time": req.finish_time,
             },
         )
+
+
+def best_choices(outs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """The outputs to return of a prompt's forked sequences: all, or with best_of the n of
+    highest cumulative logprob (vLLM V0's best_of; ties keep fork order)."""
+    if params.best_of is None or params.best_of <= params.n:
+        return outs
+    return sorted(outs, key=lambda o: -(o.cumulative_logprob or 0.0))[: params.n]
+
+
+def merge_choices(outs: list[RequestOutput], params: SamplingParams) -> RequestOutput:
+    """A prompt's forked sequences as one output (vLLM's ``RequestOutput.outputs``)."""
+    chosen = best_choices(outs, params)
+    if len(outs) == 1:
+        return outs[0]
+    choices = [o.as_choice(i) for i, o in enumerate(chosen)]
+    if params.logprobs is None:  # best_of computed them only to rank the sequences
+        choices = [replace(c, logprobs=None) for c in choices]
+        return replace(chosen[0], logprobs=None, choices=choices)
+    return replace(chosen[0], choices=choices)

@@ -96,10 +96,17 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        follows: str | None = None,
     ) -> Request:
+        """One sequence. ``n`` > 1 is forked by the caller into sequences of
+        ``params.for_sibling(i)``, each after the first naming it in ``follows`` (its
+        leader), so that they share the prompt's pages through the prefix cache."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
         self._validate(ids, params)
+        if params.num_sequences > 1:
+            raise InvalidRequestError("a request of the engine is one sequence: fork n > 1 "
+                                      "with params.for_sibling(i) and follows=")
         req = Request(
             prompt_token_ids=ids,
             params=params,
@@ -108,6 +115,7 @@ class Engine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.default_eos,
             cache_salt=cache_salt,
+            leader=self.requests.get(follows) if follows is not None else None,
         )
         if request_id is not None:
             if request_id in self.requests:
