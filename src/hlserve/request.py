@@ -6,8 +6,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hlserve.errors import InvalidRequestError
+from hlserve.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class SamplingParams:
     # sequences are generated and the n of highest cumulative logprob returned (vLLM V0)
     n: int = 1
     best_of: int | None = None
+    # constrained decoding (JSON schema, regex, choice, grammar): the sampler masks every
+    # token the grammar does not allow (hlserve.structured); None: unconstrained
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -80,6 +85,10 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {t!r}")
         self._validate_adjustments()
         self._validate_choices()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs must be StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     def _validate_adjustments(self) -> None:
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
@@ -228,6 +237,9 @@ class Request:
     # a forked sibling (n > 1) waits for its leader's prefill, then finds the prompt's pages
     # in the prefix cache instead of computing them again
     leader: Request | None = None
+    # the grammar matcher of a constrained request (hlserve.structured.grammar.GrammarState),
+    # advanced by the engine with each token it appends; None: unconstrained
+    grammar: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

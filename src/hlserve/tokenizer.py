@@ -94,6 +94,10 @@ class Tokenizer:
 
         return cls(tok, read("tokenizer_config.json"), read("generation_config.json"))
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine indexes)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

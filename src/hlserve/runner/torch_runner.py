@@ -16,6 +16,7 @@ from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.base import Batch, Runner, StepResult
 from hlserve.runner.cpu_alloc import keep_freed_memory
 from hlserve.runner.logits import LogitsAdjuster
+from hlserve.structured.grammar import apply_grammar_masks
 
 log = logging.getLogger("hlserve.runner")
 
@@ -155,6 +156,10 @@ class TorchRunner(Runner):
                     logits[i, [b for b in banned if b < logits.shape[1]]] = -float("inf")
         # logit_bias and penalties, greedy rows included (as vLLM); no work when none asks
         self.adjuster.apply(logits, reqs)
+        # structured outputs: tokens the grammar forbids are masked; the one check is all an
+        # unconstrained batch pays
+        if any(r.grammar is not None for r in reqs):
+            apply_grammar_masks(logits, reqs)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not random_rows:
