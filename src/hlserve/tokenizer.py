@@ -153,6 +153,11 @@ class Tokenizer:
         ids += self.encode(text[pos:], add_special_tokens=False)
         return ids
 
+    def token_str(self, token_id: int) -> str | None:
+        """The vocabulary's own string for an id (``Ġhello``), as HF's
+        ``convert_ids_to_tokens`` gives it: what vLLM's ``/tokenize`` returns."""
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
