@@ -648,9 +648,12 @@ async def completions(request: Request) -> Response:
     check_batch(st, prompts, req.best_of or req.n)
     ids = await encode_prompts(st, prompts, inbound.offload)
     params = [sampling(st, req, len(p)) for p in ids]
-    echo = echo_texts(st, prompts, ids) if req.echo else None
+    if req.echo and st.tokenizer is None and any(isinstance(p, list) for p in prompts):
+        raise no_tokenizer("echo needs one to show token-id prompts as text")
     rid = new_id("cmpl")
     group = await submit(st, rid, ids, params, inbound)
+    # after submit: the engine has checked the token ids that echo decodes
+    echo = echo_texts(st, prompts, ids) if req.echo else None
     return await respond(request, st, group, rid, inbound, _CompletionChunks, completion_body,
                          echo)
 
@@ -658,10 +661,9 @@ async def completions(request: Request) -> Response:
 def echo_texts(st: ServerState, prompts: list[str | list[int]], ids: list[list[int]]
                ) -> list[str]:
     """Each prompt as ``echo`` shows it: the text as sent, or its token ids decoded (special
-    tokens included, as vLLM shows them)."""
-    if st.tokenizer is None and any(isinstance(p, list) for p in prompts):
-        raise no_tokenizer("echo needs one to show token-id prompts as text")
-    return [p if isinstance(p, str) else st.tokenizer.decode(t, skip_special_tokens=False)
+    tokens included, as vLLM shows them). Token ids only once the engine has checked them."""
+    tok = st.tokenizer
+    return [p if isinstance(p, str) or tok is None else tok.decode(t, skip_special_tokens=False)
             for p, t in zip(prompts, ids, strict=True)]
 
 
