@@ -25,7 +25,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -54,6 +54,7 @@ from hlserve.server.bridge import (
     RequestGroup,
     Submission,
 )
+from hlserve.server.guided import request_constraint
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
@@ -72,6 +73,8 @@ from hlserve.server.protocol import (
     usage,
     validation_error,
 )
+from hlserve.server.tool_parsers import ToolPlan, ToolStream, apply_tool_calls, tool_plan
+from hlserve.structured import StructuredOutputsParams
 from hlserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hlserve.server")
@@ -497,6 +500,39 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
     return req.sampling_params(max_tokens)
 
 
+def chat_tool_plan(st: ServerState, req: Any) -> tuple[ToolPlan, dict[str, Any]]:
+    if not isinstance(req, ChatCompletionRequest):
+        return ToolPlan(), {}
+    return tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                     st.settings.tool_call_parser, st.settings.enable_auto_tool_choice)
+
+
+async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
+                    ) -> list[SamplingParams]:
+    """``params`` with the request's output constraint (response_format, structured_outputs,
+    guided_*, or tool_choice required / named), compiled here so that a bad schema is a 400
+    before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
+    spec = request_constraint(req)
+    plan, functions = chat_tool_plan(st, req)
+    if (tool_spec := plan.constraint(functions)) is not None:
+        if spec is not None:
+            raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
+                           "output constraint", param="tool_choice", code="invalid_value")
+        spec = tool_spec
+    if spec is None:
+        return params
+    await asyncio.to_thread(compile_spec, st, spec, "tools" if tool_spec else None)
+    return [replace(p, structured_outputs=spec) for p in params]
+
+
+def compile_spec(st: ServerState, spec: StructuredOutputsParams, param: str | None) -> None:
+    try:
+        st.engine.grammars.compile(spec)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param=param or "response_format",
+                       code="invalid_value") from None
+
+
 async def submit(st: ServerState, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], inbound: Inbound) -> RequestGroup:
     # the bridge refuses (draining, engine dead, queue caps: ServiceUnavailableError,
@@ -614,6 +650,7 @@ def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
                 chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
                 "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
                for i, o in enumerate(outs)]
+    apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
             "choices": choices, "usage": total_usage(outs, req.n)}
 
@@ -629,6 +666,7 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
         fmt = chunks(rid, model, req.return_token_ids, st.tokenizer)
         fmt.echo = echo
         fmt.per_prompt = req.n  # streamed choices: best_of > n is refused with stream
+        fmt.tool_plan = chat_tool_plan(st, req)[0]
         return EngineStreamResponse(stream(group, fmt, req.stream_options),
                                     group.abort_unfinished)
     outs = await collect(request, group)
@@ -647,7 +685,7 @@ async def completions(request: Request) -> Response:
     prompts = req.prompts()
     check_batch(st, prompts, req.best_of or req.n)
     ids = await encode_prompts(st, prompts, inbound.offload)
-    params = [sampling(st, req, len(p)) for p in ids]
+    params = await constrain(st, req, [sampling(st, req, len(p)) for p in ids])
     if req.echo and st.tokenizer is None and any(isinstance(p, list) for p in prompts):
         raise no_tokenizer("echo needs one to show token-id prompts as text")
     rid = new_id("cmpl")
@@ -673,6 +711,7 @@ async def chat_completions(request: Request) -> Response:
     check_batch(st, [None], inbound.req.n)
     ids = await encode_chat(st, inbound.req, inbound.offload)
     params = sampling(st, inbound.req, len(ids))
+    params = (await constrain(st, inbound.req, [params]))[0]
     rid = new_id("chatcmpl")
     group = await submit(st, rid, [ids], [params], inbound)
     return await respond(request, st, group, rid, inbound, _ChatChunks, chat_body)
@@ -894,10 +933,20 @@ class _ChatChunks(_Chunks):
         return self.envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])
 
+    tool_plan = ToolPlan()
+
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
+        fields = self.finish_fields(index, out, new_ids, first)
+        if self.tool_plan.mode is not None:  # tool calls as deltas (server/tool_parsers.py)
+            streams = self.__dict__.setdefault("_tool_streams", {})
+            ts = streams.setdefault(index, ToolStream(self.tool_plan))
+            delta, reason = ts.delta(text, out.text, out.finished, out.finish_reason)
+            if out.finished:
+                fields["finish_reason"] = reason
+            return {"index": index, "delta": delta, **fields}
         delta = {"content": text} if text or not out.finished else {}
-        return {"index": index, "delta": delta, **self.finish_fields(index, out, new_ids, first)}
+        return {"index": index, "delta": delta, **fields}
 
     def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
         if out.logprobs is None:

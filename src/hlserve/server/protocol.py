@@ -210,6 +210,14 @@ class _Common(_Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # hlserve: who waits on this request
     request_class: Literal["interactive", "agent"] | None = None
+    # output constraints (server/guided.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* extras; at most one per request
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """Reject OpenAI features this server does not implement, at non-neutral values."""
@@ -376,7 +384,6 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     # accepted and ignored
     metadata: dict[str, Any] | None = None
@@ -397,15 +404,9 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs", code="invalid_value")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported by "
-                           "this server", param="tool_choice", code="unsupported_parameter")
         if self.modalities and self.modalities != ["text"]:
             raise ApiError(400, "this model only produces text", param="modalities",
                            code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format other than text is not supported by this "
-                           "server", param="response_format", code="unsupported_parameter")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree",
