@@ -1,0 +1,79 @@
+"""Per-token cost of constrained decoding against unconstrained, on the 0.5B shape.
+
+The same batch of prompts is generated with no constraint and with each constraint (a JSON
+object grammar, a JSON schema, a regex), alternating, ``--repeats`` times; each run's
+seconds per generated token are reported as median [min-max] and the ratio to the
+unconstrained run of the same repeat. Outputs run ``--tokens`` tokens each: the
+constraints are unbounded (``json_object``, a long regex) so that no run ends early.
+
+    python benchmarks/structured_cost.py [--model DIR] [--batch 4] [--tokens 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from hlserve.llm import LLM
+from hlserve.models.tiny import make_tiny_model
+from hlserve.request import SamplingParams
+from hlserve.structured import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {
+    "notes": {"type": "array", "items": {"type": "object", "properties": {
+        "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["title", "tags"]}}}, "required": ["notes"]}
+CONSTRAINTS: dict[str, StructuredOutputsParams | None] = {
+    "none": None,
+    "json_object": StructuredOutputsParams(json_object=True),
+    "json_schema": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=r"([a-z]+ ){1,400}"),
+}
+
+
+def run(llm: LLM, spec: StructuredOutputsParams | None, batch: int, tokens: int) -> float:
+    """Seconds per generated token (wall time of the whole batch / its tokens)."""
+    prompts = [f"Write note {i} about the weather and the schedule:" for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens,
+                            temperature=1.0, seed=7, ignore_eos=spec is None,
+                            structured_outputs=spec)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed / sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="model directory (default: the 0.5B shape, made here)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(make_tiny_model(Path(tmp) / "m", arch="qwen2", size="0.5b",
+                                                  dtype=args.dtype))
+        llm = LLM(model, dtype=args.dtype)
+        for spec in CONSTRAINTS.values():  # warm-up: compile, first-use index, allocator
+            run(llm, spec, args.batch, 4)
+        per_token: dict[str, list[float]] = {k: [] for k in CONSTRAINTS}
+        for r in range(args.repeats):
+            names = list(CONSTRAINTS) if r % 2 == 0 else list(reversed(CONSTRAINTS))
+            for name in names:
+                per_token[name].append(run(llm, CONSTRAINTS[name], args.batch, args.tokens))
+    base = per_token["none"]
+    print(f"0.5B shape ({args.dtype}), batch {args.batch}, {args.tokens} tokens each, "
+          f"{args.repeats} repeats: ms per generated token, median [min-max]; ratio to none")
+    for name, xs in per_token.items():
+        ratios = [x / b for x, b in zip(xs, base, strict=True)]
+        print(f"  {name:12s} {statistics.median(xs) * 1e3:8.2f} [{min(xs) * 1e3:.2f}-"
+              f"{max(xs) * 1e3:.2f}]   x{statistics.median(ratios):.3f} "
+              f"[{min(ratios):.3f}-{max(ratios):.3f}]")
+
+
+if __name__ == "__main__":
+    main()
