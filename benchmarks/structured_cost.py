@@ -18,10 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from hlserve.llm import LLM
 from hlserve.models.tiny import make_tiny_model
 from hlserve.request import SamplingParams
 from hlserve.structured import StructuredOutputsParams
+from hlserve.structured.grammar import apply_grammar_masks
 
 SCHEMA = {"type": "object", "properties": {
     "notes": {"type": "array", "items": {"type": "object", "properties": {
@@ -57,6 +60,36 @@ def run(llm: LLM, spec: StructuredOutputsParams | None, batch: int, tokens: int)
     return statistics.median(steps) if steps else float("nan")
 
 
+class _Row:
+    """What apply_grammar_masks reads of a request: its grammar and output so far."""
+
+    def __init__(self, grammar: object) -> None:
+        self.grammar = grammar
+        self.output_token_ids: list[int] = []
+
+
+def mask_cost(llm: LLM, spec: StructuredOutputsParams, batch: int, steps: int,
+              dtype: torch.dtype) -> float:
+    """Median seconds per token of the sampler's constrained work alone (fill the batch's
+    masks, apply them to its logits), along paths the grammar accepts: what a constraint
+    adds to a step, short enough that other load on the machine hardly lands in it."""
+    vocab = llm.engine.runner.model_config.vocab_size
+    rows = [_Row(llm.engine.grammars.state(spec)) for _ in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch, vocab, generator=gen).to(dtype)
+        t0 = time.perf_counter()
+        apply_grammar_masks(logits, rows)
+        times.append((time.perf_counter() - t0) / batch)
+        for r, tok in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
+            r.output_token_ids.append(tok)
+            if r.grammar.advance(tok):  # complete: start over
+                r.grammar = llm.engine.grammars.state(spec)
+                r.output_token_ids = []
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: the 0.5B shape, made here)")
@@ -76,6 +109,8 @@ def main() -> None:
             names = list(CONSTRAINTS) if r % 2 == 0 else list(reversed(CONSTRAINTS))
             for name in names:
                 per_token[name].append(run(llm, CONSTRAINTS[name], args.batch, args.tokens))
+        masks = {name: mask_cost(llm, spec, args.batch, 200, llm.engine.runner.dtype)
+                 for name, spec in CONSTRAINTS.items() if spec is not None}
     base = per_token["none"]
     print(f"0.5B shape ({args.dtype}), batch {args.batch}, {args.tokens} tokens each, "
           f"{args.repeats} repeats: ms per token of a decode step, median [min-max]; ratio "
@@ -85,6 +120,11 @@ def main() -> None:
         print(f"  {name:12s} {statistics.median(xs) * 1e3:8.2f} [{min(xs) * 1e3:.2f}-"
               f"{max(xs) * 1e3:.2f}]   x{statistics.median(ratios):.3f} "
               f"[{min(ratios):.3f}-{max(ratios):.3f}]")
+    none = statistics.median(base)
+    print("the constrained work alone (mask fill + apply, median of 200 steps), ms per "
+          "token, and what it adds to the unconstrained step:")
+    for name, m in masks.items():
+        print(f"  {name:12s} {m * 1e3:8.3f}   +{m / none * 100:.2f}%")
 
 
 if __name__ == "__main__":

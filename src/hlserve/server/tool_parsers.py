@@ -109,7 +109,7 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" \
                 or not isinstance(fn.get("name"), str):
             raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
                            "{'name': ..., 'parameters': {...}}}", param=f"tools.{i}",
@@ -142,7 +142,11 @@ class ToolPlan:
                 # a function's "#/$defs/..." refs point at the root of the combined schema,
                 # so its $defs move there (as vLLM does); clashing names are refused
                 params = dict(params)
-                for key, value in (params.pop("$defs", None) or {}).items():
+                hoisted = params.pop("$defs", None) or {}
+                if not isinstance(hoisted, dict):
+                    raise ApiError(400, f"tool {name!r}: $defs must be an object",
+                                   param="tools", code="invalid_value")
+                for key, value in hoisted.items():
                     if defs.setdefault(key, value) != value:
                         raise ApiError(400, f"tools define $defs/{key} differently; required "
                                        "tool choice needs them to agree", param="tools",

@@ -68,7 +68,12 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit.deep_copy()
-        matcher = llguidance.LLMatcher(self._tok, grammar_text(spec), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(self._tok, grammar_text(spec), log_level=0)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # whatever the engine raises on a spec is the spec's fault
+            raise InvalidRequestError(f"invalid {key[0]} for structured output: {e}") from None
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {key[0]} for structured output: "
                                       f"{matcher.get_error()}")
