@@ -66,12 +66,16 @@ def loosened(schema: Any) -> Any:
     return schema
 
 
-def check_answer(r: httpx.Response, body: dict[str, Any]) -> None:
+def check_answer(r: httpx.Response, body: dict[str, Any], path: str = "") -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500], json.dumps(body)[:500])
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}, err
         assert len(r.content) < 4000, r.text[:300]
+    elif path.endswith("/tokenize"):
+        assert r.json()["count"] == len(r.json()["tokens"]), r.text[:300]
+    elif path.endswith("/detokenize"):
+        assert isinstance(r.json()["prompt"], str), r.text[:300]
     elif body.get("stream"):
         assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
     else:
@@ -79,7 +83,8 @@ def check_answer(r: httpx.Response, body: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize",
+                                  "/detokenize"])
 def test_schema_fuzz_never_answers_5xx(server, http, path: str, mode: GenerationMode) -> None:
     spec = http.get("/openapi.json").json()
     if mode is GenerationMode.POSITIVE:
@@ -95,7 +100,7 @@ def test_schema_fuzz_never_answers_5xx(server, http, path: str, mode: Generation
             r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
         else:  # a body schemathesis could not make JSON of: send its bytes as they are
             r = http.post(path, content=bytes(body))
-        check_answer(r, body if isinstance(body, dict) else {})
+        check_answer(r, body if isinstance(body, dict) else {}, path)
 
     one()
     serves(http)

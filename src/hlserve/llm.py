@@ -12,7 +12,7 @@ from hlserve.engine import factory
 from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError
-from hlserve.request import RequestOutput, SamplingParams
+from hlserve.request import Request, RequestOutput, SamplingParams, merge_choices
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
@@ -48,15 +48,34 @@ class LLM:
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
+        ids = []
         for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
             try:
-                self.engine.check_request(prompt, p)
+                ids.append(self.engine.check_request(prompt, p))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
-        order = {r.request_id: i for i, r in enumerate(reqs)}
-        results: list[RequestOutput | None] = [None] * len(reqs)
-        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm or len(reqs) < 2)
+        order: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sequence)
+        for i, (prompt_ids, p) in enumerate(zip(ids, params, strict=True)):
+            for j, r in enumerate(self._fork(prompt_ids, p)):
+                order[r.request_id] = (i, j)
+        seqs: list[list[RequestOutput | None]] = [[None] * p.num_sequences for p in params]
+        self._run(order, seqs, use_tqdm)
+        return [merge_choices(s, p) for s, p in zip(seqs, params, strict=True)]  # type: ignore[arg-type]
+
+    def _fork(self, prompt_ids: list[int], p: SamplingParams) -> list[Request]:
+        """The prompt's sequences: one, or n / best_of siblings following the first."""
+        if p.num_sequences == 1:
+            return [self.engine.add_request(prompt_ids, p)]
+        reqs: list[Request] = []
+        for j in range(p.num_sequences):
+            reqs.append(self.engine.add_request(
+                prompt_ids, p.for_sibling(j), follows=reqs[0].request_id if reqs else None))
+        return reqs
+
+    def _run(self, order: dict[str, tuple[int, int]], seqs: list[list[RequestOutput | None]],
+             use_tqdm: bool) -> None:
+        bar = tqdm(total=len(order), desc="generate", unit="req",
+                   disable=not use_tqdm or len(order) < 2)
         idle = 0  # passes in a row that neither ran a step nor ended a request
         with bar:
             while self.engine.has_unfinished():
@@ -64,15 +83,15 @@ class LLM:
                 outs = self.engine.step()
                 for out in outs:
                     if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
+                        i, j = order[out.request_id]
+                        seqs[i][j] = out
                         bar.update(1)
                 idle = 0 if outs or self.engine.stats.steps > steps else idle + 1
                 if idle >= MAX_IDLE_PASSES:  # a scheduler bug must not hang the caller
                     raise EngineDeadError(
                         f"the engine made no progress in {idle} passes with "
                         f"{len(self.engine.waiting)} requests waiting")
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+        assert all(o is not None for s in seqs for o in s)
 
     def chat(
         self,

@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hlserve.errors import InvalidRequestError
+from hlserve.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,27 @@ class SamplingParams:
     # log-probabilities of each sampled token and of the ``logprobs`` most likely ones, from
     # the model's raw distribution (vLLM's default); None: not computed
     logprobs: int | None = None
+    # logits adjustments, vLLM's semantics (applied before temperature and the filters):
+    # repetition over prompt and output tokens (a positive logit divided by it, a negative one
+    # multiplied); presence / frequency over output tokens only (subtracted once / per count)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> bias added to its logit; not hashed (a dict), compared
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    # n choices per prompt (forked sequences sharing the prompt's pages); best_of >= n
+    # sequences are generated and the n of highest cumulative logprob returned (vLLM V0)
+    n: int = 1
+    best_of: int | None = None
+    # constrained decoding (JSON schema, regex, choice, grammar): the sampler masks every
+    # token the grammar does not allow (hlserve.structured); None: unconstrained
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -64,6 +83,62 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t <= INT32_MAX:
                 raise InvalidRequestError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got {t!r}")
+        self._validate_adjustments()
+        self._validate_choices()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs must be StructuredOutputsParams")
+            self.structured_outputs.validate()
+
+    def _validate_adjustments(self) -> None:
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, "
+                                          f"got {len(self.logit_bias)}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                    raise InvalidRequestError(f"logit_bias keys must be token ids, got {t!r}")
+                if not _is_real(b) or not -100 <= b <= 100:
+                    raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {b!r} "
+                                              f"for token {t}")
+
+    def _validate_choices(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= MAX_N):
+            raise InvalidRequestError(
+                f"best_of must be an integer in [n={self.n}, {MAX_N}], got {self.best_of!r}")
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences a prompt forks into: best_of, else n."""
+        return self.best_of or self.n
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler has penalties or a bias to apply (else it does no extra work)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+
+    def for_sibling(self, i: int) -> SamplingParams:
+        """Sequence ``i`` of a fork: one choice, and with a seed its own (seed + i, as vLLM
+        derives them, wrapped into the seed range) so seeded siblings differ but reproduce.
+        best_of needs each sequence's cumulative logprob, so it computes logprobs."""
+        seed = self.seed
+        if seed is not None and i:
+            seed = (seed + i + 2**63) % 2**64 - 2**63
+        logprobs = self.logprobs
+        if self.best_of is not None and self.best_of > self.n and logprobs is None:
+            logprobs = 0
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +148,8 @@ class SamplingParams:
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+MAX_N = 128  # sequences per prompt (n, best_of): bounded work per request
+MAX_LOGIT_BIAS = 1024  # entries: each costs a scatter per step
 INT32_MAX = 2**31 - 1  # counts and token ids: plenty, and safe in any index tensor
 FLOAT32_MAX = 3.4028234663852886e38  # larger floats are inf once in a float32 tensor
 
@@ -83,6 +160,13 @@ def _is_int(x: object) -> bool:
 
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _as_bias(value: object) -> dict:
+    """``logit_bias`` as a dict (a copy: the params are frozen); keys as sent."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {value!r}")
+    return dict(value)
 
 
 def _as_tuple(value: object, name: str, kind: type) -> tuple:
@@ -157,6 +241,12 @@ class Request:
     # prefix-cache namespace (vLLM's ``cache_salt``): pages cached under one salt are never
     # matched by a request with another; None is the shared namespace
     cache_salt: str | None = None
+    # a forked sibling (n > 1) waits for its leader's prefill, then finds the prompt's pages
+    # in the prefix cache instead of computing them again
+    leader: Request | None = None
+    # the grammar matcher of a constrained request (hlserve.structured.grammar.GrammarState),
+    # advanced by the engine with each token it appends; None: unconstrained
+    grammar: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -223,8 +313,22 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One choice of a prompt (vLLM's ``CompletionOutput``): n > 1 gives several."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
 class RequestOutput:
-    """What a caller gets back: final or, when streaming, cumulative so far."""
+    """What a caller gets back: final or, when streaming, cumulative so far. The top-level
+    text and tokens are the first choice's; ``outputs`` lists every choice (vLLM's shape)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -237,6 +341,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float | None] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
+    choices: list[CompletionOutput] | None = None  # n > 1: every choice; None: just this one
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self.choices is not None:
+            return self.choices
+        return [self.as_choice(0)]
+
+    def as_choice(self, index: int) -> CompletionOutput:
+        return CompletionOutput(index, self.text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs, when they were computed."""
+        return None if self.logprobs is None else sum(e.logprob for e in self.logprobs)
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
@@ -258,3 +378,23 @@ class RequestOutput:
                 "finish_time": req.finish_time,
             },
         )
+
+
+def best_choices(outs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """The outputs to return of a prompt's forked sequences: all, or with best_of the n of
+    highest cumulative logprob (vLLM V0's best_of; ties keep fork order)."""
+    if params.best_of is None or params.best_of <= params.n:
+        return outs
+    return sorted(outs, key=lambda o: -(o.cumulative_logprob or 0.0))[: params.n]
+
+
+def merge_choices(outs: list[RequestOutput], params: SamplingParams) -> RequestOutput:
+    """A prompt's forked sequences as one output (vLLM's ``RequestOutput.outputs``)."""
+    chosen = best_choices(outs, params)
+    if len(outs) == 1:
+        return outs[0]
+    choices = [o.as_choice(i) for i, o in enumerate(chosen)]
+    if params.logprobs is None:  # best_of computed them only to rank the sequences
+        choices = [replace(c, logprobs=None) for c in choices]
+        return replace(chosen[0], logprobs=None, choices=choices)
+    return replace(chosen[0], choices=choices)

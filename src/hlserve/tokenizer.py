@@ -94,6 +94,10 @@ class Tokenizer:
 
         return cls(tok, read("tokenizer_config.json"), read("generation_config.json"))
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine indexes)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -148,6 +152,11 @@ class Tokenizer:
             pos = m.end()
         ids += self.encode(text[pos:], add_special_tokens=False)
         return ids
+
+    def token_str(self, token_id: int) -> str | None:
+        """The vocabulary's own string for an id (``Ġhello``), as HF's
+        ``convert_ids_to_tokens`` gives it: what vLLM's ``/tokenize`` returns."""
+        return self._tok.id_to_token(token_id)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

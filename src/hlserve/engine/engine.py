@@ -8,6 +8,7 @@ else is touched), owns the clock, appends sampled tokens, decides when a request
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from hlserve.request import (
     SamplingParams,
     TokenLogprobs,
 )
+from hlserve.structured.grammar import GrammarCompiler
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
@@ -105,6 +107,23 @@ class Engine:
         self.stats = EngineStats()
         self.failures = FailureStreak()
         self.default_eos = frozenset(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler, built on first use (indexing the vocabulary
+        takes a second or two, which no unconstrained deployment should pay at start-up)."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    if self.tokenizer is None:
+                        raise InvalidRequestError("structured outputs need a tokenizer; this "
+                                                  "model has none")
+                    self._grammars = GrammarCompiler(self.tokenizer.to_json(),
+                                                     self.runner.model_config.vocab_size,
+                                                     self.default_eos)
+        return self._grammars
 
     # ---- intake -------------------------------------------------------------------------
     def add_request(
@@ -116,9 +135,16 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        follows: str | None = None,
     ) -> Request:
+        """One sequence. ``n`` > 1 is forked by the caller into sequences of
+        ``params.for_sibling(i)``, each after the first naming it in ``follows`` (its
+        leader), so that they share the prompt's pages through the prefix cache."""
         params = params or SamplingParams()
         ids = self.check_request(prompt, params)
+        if params.num_sequences > 1:
+            raise InvalidRequestError("a request of the engine is one sequence: fork n > 1 "
+                                      "with params.for_sibling(i) and follows=")
         req = Request(
             prompt_token_ids=ids,
             params=params,
@@ -127,7 +153,10 @@ class Engine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.default_eos,
             cache_salt=cache_salt,
+            leader=self.requests.get(follows) if follows is not None else None,
         )
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.state(params.structured_outputs)
         if request_id is not None:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -169,10 +198,17 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # again: a frozen dataclass can still be changed behind its back
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # cached: add_request reuses it
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if params.logit_bias:
+            vocab = self.runner.model_config.vocab_size
+            if bad := sorted(t for t in params.logit_bias if t >= vocab)[:5]:
+                raise InvalidRequestError(f"logit_bias has token ids not in the vocabulary "
+                                          f"[0, {vocab}): {bad}")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's maximum context length is "
@@ -408,6 +444,8 @@ class Engine:
     def _append(self, req: Request, token: int, now: float,
                 logprobs: TokenLogprobs | None = None) -> None:
         req.output_token_ids.append(token)
+        # a complete grammar ends the request: nothing more could be accepted
+        grammar_done = req.grammar is not None and req.grammar.advance(token)
         req.token_times.append(now)
         if req.params.logprobs is not None:
             # a runner that computes none (the simulator) leaves a neutral entry, so the list
@@ -430,6 +468,8 @@ class Engine:
                 return self._finish(req, FinishReason.STOP)
             if p.stop and detok is not None and self._check_stop_strings(req, detok, delta):
                 return self._finish(req, FinishReason.STOP)
+        if grammar_done:
+            return self._finish(req, FinishReason.STOP)
         if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return self._finish(req, FinishReason.LENGTH)
         if detok is not None and p.stop and not p.include_stop_str_in_output:

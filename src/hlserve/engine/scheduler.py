@@ -245,6 +245,8 @@ class Scheduler:
                 break
             if cfg.max_prefill_tokens is not None and self._prefill_tokens >= cfg.max_prefill_tokens:
                 break  # SGLang's cap: the first prefill of an iteration may exceed it
+            if self._follows_leader(req):
+                continue
             tokens = req.all_token_ids
             nodes = self.kv.match_prefix(tokens, len(tokens) - 1, req.cache_salt)
             cached = len(nodes) * ps
@@ -303,6 +305,14 @@ class Scheduler:
             self._last_admit_step = self.step
             if n < len(tokens) - cached:
                 mid_chunk += 1
+
+    def _follows_leader(self, req: Request) -> bool:
+        """A forked sibling (n > 1) waits until its leader has prefilled the shared prompt:
+        then its full pages are cached and the sibling computes only the last partial one.
+        (Admitted together, both would compute the whole prompt.)"""
+        lead = req.leader
+        return (lead is not None and self.kv.enable_prefix_caching and not lead.finished
+                and lead.first_token_time is None)
 
     def _reserved_pages(self) -> int:
         """SGLang's reservation: the estimated remaining output of running requests."""

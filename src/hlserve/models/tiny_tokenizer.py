@@ -17,13 +17,46 @@ PAD_TOKEN = BOS_TOKEN
 # corpus below is rich enough for the trainer to reach it.
 TOKENIZER_VOCAB_SIZE = 4096
 
-# Plain ChatML, the format of Qwen models. No default system prompt, so that a rendered prompt
-# is exactly what the caller sent. Content may be None (an assistant turn with tool calls only).
+# ChatML with Qwen2.5's tool format. No default system prompt, so that a rendered prompt is
+# exactly what the caller sent; with ``tools``, Qwen2.5's tool block opens the system turn
+# (the caller's system message, if any, first). An assistant turn's ``tool_calls`` render as
+# <tool_call> JSON after its content (which may be None); consecutive ``tool`` messages are
+# one user turn of <tool_response> blocks, as in Qwen2.5's template.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- endif %}"
+    "{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}{%- endif %}"
+    "{%- for tc in message.get('tool_calls') or [] %}"
+    "{%- set fn = tc['function'] if tc['function'] is defined else tc %}"
+    "{%- if loop.first and message['content'] is string and message['content'] %}{{- '\\n' }}"
+    "{%- elif not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + fn['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

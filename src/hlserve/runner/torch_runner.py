@@ -15,6 +15,8 @@ from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.cpu_alloc import keep_freed_memory
+from hlserve.runner.logits import LogitsAdjuster
+from hlserve.structured.grammar import apply_grammar_masks
 
 log = logging.getLogger("hlserve.runner")
 
@@ -56,6 +58,7 @@ class TorchRunner(Runner):
         self.batched_decode = self.device.type == "cuda"
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.adjuster = LogitsAdjuster(self.device)  # logit_bias and penalties
         log.info(
             "loaded %s (%s, %.1fM params) on %s; KV pool %d pages x %d tokens (%.2f GiB)",
             mc.architecture, self.dtype, mc.num_parameters() / 1e6, self.device,
@@ -151,6 +154,12 @@ class TorchRunner(Runner):
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 if banned:
                     logits[i, [b for b in banned if b < logits.shape[1]]] = -float("inf")
+        # logit_bias and penalties, greedy rows included (as vLLM); no work when none asks
+        self.adjuster.apply(logits, reqs)
+        # structured outputs: tokens the grammar forbids are masked; the one check is all an
+        # unconstrained batch pays
+        if any(r.grammar is not None for r in reqs):
+            apply_grammar_masks(logits, reqs)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not random_rows:
@@ -192,6 +201,7 @@ class TorchRunner(Runner):
 
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        self.adjuster.release(request_id)
 
 
 def _token_logprobs(raw: torch.Tensor, reqs: list[Request], sampled: list[int]

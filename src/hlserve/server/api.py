@@ -9,6 +9,7 @@ in a worker thread.
 Handlers are module-level functions over one :class:`ServerState` (``app.state.hlserve``);
 :func:`add_routes` lists every endpoint: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /tokenize``, ``POST /detokenize`` (and their ``/v1/`` aliases),
 ``GET|HEAD /health``, ``GET|POST|HEAD /ping``, ``GET /metrics``, ``GET /version``,
 ``GET /openapi.json`` and ``GET /docs``. Bodies are read by the handlers themselves (a size
 limit enforced while reading, strict JSON, OpenAI-shaped errors); the request models are
@@ -24,7 +25,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -53,12 +54,16 @@ from hlserve.server.bridge import (
     RequestGroup,
     Submission,
 )
+from hlserve.server.guided import request_constraint
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     clip,
     context_length_error,
     error_body,
@@ -68,6 +73,8 @@ from hlserve.server.protocol import (
     usage,
     validation_error,
 )
+from hlserve.server.tool_parsers import ToolPlan, ToolStream, apply_tool_calls, tool_plan
+from hlserve.structured import StructuredOutputsParams
 from hlserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hlserve.server")
@@ -77,7 +84,8 @@ OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized 
 HEAD_CHARS_PER_TOKEN = 32  # prompts longer than this x the context are tokenized in part first
 HEAD_MARGIN = 16  # tokens a cut can add at its end: a part over context + this is over for sure
 OPEN_PATHS = frozenset({"/health", "/ping", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                  TokenizeChatRequest, DetokenizeRequest)
 
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest)
 
@@ -401,15 +409,19 @@ def cache_salt(key: ApiKey | None, salt: str | None) -> str | None:
 # ---- from a request to the engine -------------------------------------------------------------
 
 
-def check_batch(st: ServerState, prompts: list[Any]) -> None:
-    """Caps that a request can never fit: a 400, not a retryable 503."""
+def check_batch(st: ServerState, prompts: list[Any], per_prompt: int = 1) -> None:
+    """Caps that a request can never fit: a 400, not a retryable 503. Each prompt forks
+    into ``per_prompt`` sequences (n, best_of), each an engine request."""
     cap = st.settings.max_prompts_per_request
-    if len(prompts) > cap:
-        raise ApiError(400, f"A request may carry at most {cap} prompts; got {len(prompts)}",
-                       param="prompt", code="invalid_value")
+    total = len(prompts) * per_prompt
+    what = f"{len(prompts)} prompts" if per_prompt == 1 else \
+        f"{len(prompts)} prompts x {per_prompt} sequences"
+    if total > cap:
+        raise ApiError(400, f"A request may carry at most {cap} prompts (sequences); got {what}",
+                       param="prompt" if per_prompt == 1 else "n", code="invalid_value")
     queue = st.settings.max_queued_requests
-    if queue is not None and len(prompts) > queue:
-        raise ApiError(400, f"A request of {len(prompts)} prompts can never fit this server's "
+    if queue is not None and total > queue:
+        raise ApiError(400, f"A request of {what} can never fit this server's "
                        f"queue of {queue} requests", param="prompt", code="invalid_value")
 
 
@@ -488,15 +500,56 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
     return req.sampling_params(max_tokens)
 
 
+def chat_tool_plan(st: ServerState, req: Any) -> tuple[ToolPlan, dict[str, Any]]:
+    if not isinstance(req, ChatCompletionRequest):
+        return ToolPlan(), {}
+    return tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                     st.settings.tool_call_parser, st.settings.enable_auto_tool_choice)
+
+
+async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
+                    ) -> list[SamplingParams]:
+    """``params`` with the request's output constraint (response_format, structured_outputs,
+    guided_*, or tool_choice required / named), compiled here so that a bad schema is a 400
+    before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
+    spec = request_constraint(req)
+    plan, functions = chat_tool_plan(st, req)
+    if (tool_spec := plan.constraint(functions)) is not None:
+        if spec is not None:
+            raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
+                           "output constraint", param="tool_choice", code="invalid_value")
+        spec = tool_spec
+    if spec is None:
+        return params
+    await asyncio.to_thread(compile_spec, st, spec, "tools" if tool_spec else None)
+    return [replace(p, structured_outputs=spec) for p in params]
+
+
+def compile_spec(st: ServerState, spec: StructuredOutputsParams, param: str | None) -> None:
+    try:
+        st.engine.grammars.compile(spec)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param=param or "response_format",
+                       code="invalid_value") from None
+
+
 async def submit(st: ServerState, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], inbound: Inbound) -> RequestGroup:
     # the bridge refuses (draining, engine dead, queue caps: ServiceUnavailableError,
     # EngineDeadError, InvalidRequestError) and coalesces what a slow reader has not read
     sink = EventSink()
     who = inbound.caller
-    subs = [Submission(f"{request_id}-{i}", ids, p, who.request_class, who.priority,
-                       inbound.arrival, i, sink, cache_salt=who.cache_salt)
-            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
+    subs = []
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        # n / best_of: sequence j of prompt i is index i * k + j (vLLM's choice order); the
+        # siblings follow the first, so they share its prompt pages
+        k = p.num_sequences
+        for j in range(k):
+            index = i * k + j
+            subs.append(Submission(f"{request_id}-{index}", ids, p.for_sibling(j) if k > 1 else p,
+                                   who.request_class, who.priority, inbound.arrival, index, sink,
+                                   cache_salt=who.cache_salt,
+                                   follows=subs[i * k].request_id if j else None))
     group = RequestGroup(st.bridge, subs, sink)
     try:
         st.bridge.submit(subs)
@@ -552,48 +605,74 @@ def common_choice(out: RequestOutput, return_ids: bool) -> dict[str, Any]:
     return extra
 
 
-def total_usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    return usage(sum(len(o.prompt_token_ids) for o in outs),
-                 sum(len(o.token_ids) for o in outs),
-                 sum(o.num_cached_tokens for o in outs))
+def total_usage(outs: list[RequestOutput], per_prompt: int = 1,
+                returned: list[RequestOutput] | None = None) -> dict[str, Any]:
+    """Usage of sequences in index order, ``per_prompt`` of each prompt: its prompt (and
+    cached) tokens count once, as vLLM counts them; completion tokens are the returned
+    choices'."""
+    firsts = outs[::per_prompt]
+    return usage(sum(len(o.prompt_token_ids) for o in firsts),
+                 sum(len(o.token_ids) for o in (outs if returned is None else returned)),
+                 sum(o.num_cached_tokens for o in firsts))
+
+
+def returned_choices(outs: list[RequestOutput], k: int, n: int) -> list[RequestOutput]:
+    """Of each prompt's ``k`` sequences, the ``n`` returned: all, or with best_of the n of
+    highest cumulative logprob (vLLM V0's best_of)."""
+    if k == n:
+        return outs
+    chosen: list[RequestOutput] = []
+    for i in range(0, len(outs), k):
+        ranked = sorted(outs[i:i + k], key=lambda o: -(o.cumulative_logprob or 0.0))
+        chosen += ranked[:n]
+    return chosen
 
 
 def completion_body(st: ServerState, rid: str, model: str, req: CompletionRequest,
-                    outs: list[RequestOutput]) -> dict[str, Any]:
-    choices = [{"index": i, "text": o.text,
-                "logprobs": None if o.logprobs is None else
+                    outs: list[RequestOutput], echo: list[str] | None = None) -> dict[str, Any]:
+    k = req.best_of or req.n
+    chosen = returned_choices(outs, k, req.n)
+    # best_of computes logprobs to rank the sequences; they are shown only when asked for
+    show_lp = req.logprobs is not None
+    choices = [{"index": i, "text": (echo[i // req.n] if echo else "") + o.text,
+                "logprobs": None if o.logprobs is None or not show_lp else
                 completion_logprobs(st.tokenizer, o.token_ids, o.logprobs),
                 "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
-               for i, o in enumerate(outs)]
+               for i, o in enumerate(chosen)]
     return {"id": rid, "object": "text_completion", "created": now_s(), "model": model,
-            "choices": choices, "usage": total_usage(outs)}
+            "choices": choices, "usage": total_usage(outs, k, chosen)}
 
 
 def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
-              outs: list[RequestOutput]) -> dict[str, Any]:
-    o = outs[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
-              "logprobs": None if o.logprobs is None else
-              chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
-              "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
+              outs: list[RequestOutput], echo: list[str] | None = None) -> dict[str, Any]:
+    choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                "logprobs": None if o.logprobs is None else
+                chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
+                "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
+               for i, o in enumerate(outs)]
+    apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
-            "choices": [choice], "usage": total_usage(outs)}
+            "choices": choices, "usage": total_usage(outs, req.n)}
 
 
 async def respond(request: Request, st: ServerState, group: RequestGroup, rid: str,
                   inbound: Inbound, chunks: type[_Chunks],
-                  body: Callable[..., dict[str, Any]]) -> Response:
-    """The stream, or the whole answer once every prompt is done."""
+                  body: Callable[..., dict[str, Any]], echo: list[str] | None = None) -> Response:
+    """The stream, or the whole answer once every prompt is done. ``echo``: each prompt's
+    text, prepended to its choices (completions' ``echo``)."""
     req = inbound.req
     model = req.model or st.model_name
     if req.stream:
         fmt = chunks(rid, model, req.return_token_ids, st.tokenizer)
+        fmt.echo = echo
+        fmt.per_prompt = req.n  # streamed choices: best_of > n is refused with stream
+        fmt.tool_plan = chat_tool_plan(st, req)[0]
         return EngineStreamResponse(stream(group, fmt, req.stream_options),
                                     group.abort_unfinished)
     outs = await collect(request, group)
     if outs is None:
         return Response(status_code=499)
-    return JSONResponse(body(st, rid, model, req, outs))
+    return JSONResponse(body(st, rid, model, req, outs, echo))
 
 
 # ---- generation endpoints -----------------------------------------------------------------------
@@ -602,23 +681,93 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
 async def completions(request: Request) -> Response:
     st = state_of(request)
     inbound = await read_request(request, st, CompletionRequest)
-    prompts = inbound.req.prompts()
-    check_batch(st, prompts)
+    req = inbound.req
+    prompts = req.prompts()
+    check_batch(st, prompts, req.best_of or req.n)
     ids = await encode_prompts(st, prompts, inbound.offload)
-    params = [sampling(st, inbound.req, len(p)) for p in ids]
+    params = await constrain(st, req, [sampling(st, req, len(p)) for p in ids])
+    if req.echo and st.tokenizer is None and any(isinstance(p, list) for p in prompts):
+        raise no_tokenizer("echo needs one to show token-id prompts as text")
     rid = new_id("cmpl")
     group = await submit(st, rid, ids, params, inbound)
-    return await respond(request, st, group, rid, inbound, _CompletionChunks, completion_body)
+    # after submit: the engine has checked the token ids that echo decodes
+    echo = echo_texts(st, prompts, ids) if req.echo else None
+    return await respond(request, st, group, rid, inbound, _CompletionChunks, completion_body,
+                         echo)
+
+
+def echo_texts(st: ServerState, prompts: list[str | list[int]], ids: list[list[int]]
+               ) -> list[str]:
+    """Each prompt as ``echo`` shows it: the text as sent, or its token ids decoded (special
+    tokens included, as vLLM shows them). Token ids only once the engine has checked them."""
+    tok = st.tokenizer
+    return [p if isinstance(p, str) or tok is None else tok.decode(t, skip_special_tokens=False)
+            for p, t in zip(prompts, ids, strict=True)]
 
 
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     inbound = await read_request(request, st, ChatCompletionRequest)
+    check_batch(st, [None], inbound.req.n)
     ids = await encode_chat(st, inbound.req, inbound.offload)
     params = sampling(st, inbound.req, len(ids))
+    params = (await constrain(st, inbound.req, [params]))[0]
     rid = new_id("chatcmpl")
     group = await submit(st, rid, [ids], [params], inbound)
     return await respond(request, st, group, rid, inbound, _ChatChunks, chat_body)
+
+
+# ---- /tokenize and /detokenize -------------------------------------------------------------------
+
+
+async def read_plain(request: Request, st: ServerState, model: type[Any]) -> Any:
+    """A body of ``model`` (strict, size-limited), for endpoints that generate nothing."""
+    body = await read_body(request, st.settings.max_request_body_bytes)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if model is TokenizeCompletionRequest and isinstance(parsed, dict) and "messages" in parsed:
+        model = TokenizeChatRequest  # vLLM's two shapes of one endpoint
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    check_model(st, req.model)
+    return req
+
+
+def need_tokenizer(st: ServerState) -> Tokenizer:
+    if st.tokenizer is None:
+        raise ApiError(400, "This model has no tokenizer", code="invalid_value")
+    return st.tokenizer
+
+
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a ``prompt`` (with ``add_special_tokens``) or chat ``messages``
+    rendered as the chat endpoint renders them; ``token_strs`` on request."""
+    st = state_of(request)
+    req = await read_plain(request, st, TokenizeCompletionRequest)
+    tok = need_tokenizer(st)
+    if isinstance(req, TokenizeChatRequest):
+        req.check_supported()
+        ids = await encode_chat(st, req, offload=True)
+    else:
+        ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids,
+            "token_strs": [tok.token_str(t) for t in ids] if req.return_token_strs else None}
+
+
+async def detokenize(request: Request) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: ``tokens`` -> ``prompt`` (special tokens kept, as vLLM)."""
+    st = state_of(request)
+    req = await read_plain(request, st, DetokenizeRequest)
+    tok = need_tokenizer(st)
+    vocab = st.engine.runner.model_config.vocab_size
+    if bad := [t for t in req.tokens if t >= vocab][:5]:
+        raise ApiError(400, f"token ids not in the vocabulary [0, {vocab}): {bad}",
+                       param="tokens", code="invalid_value")
+    return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
 
 # ---- the app ----------------------------------------------------------------------------------
@@ -643,6 +792,13 @@ def add_routes(app: FastAPI) -> None:
                       openapi_extra=json_body(CompletionRequest))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
                       openapi_extra=json_body(ChatCompletionRequest))
+    for prefix in ("", "/v1"):  # vLLM serves them at the root; /v1 for clients that prefix
+        app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"],
+                          name=f"tokenize{prefix.replace('/', '_')}",
+                          openapi_extra=json_body(TokenizeCompletionRequest))
+        app.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"],
+                          name=f"detokenize{prefix.replace('/', '_')}",
+                          openapi_extra=json_body(DetokenizeRequest))
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -706,6 +862,8 @@ class EngineStreamResponse(StreamingResponse):
 
 class _Chunks:
     object = ""
+    echo: list[str] | None = None  # per prompt: text prepended to its choices' first chunk
+    per_prompt: int = 1  # choices per prompt (n)
 
     def __init__(self, rid: str, model: str, return_ids: bool,
                  tokenizer: Tokenizer | None = None) -> None:
@@ -754,6 +912,8 @@ class _CompletionChunks(_Chunks):
 
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
+        if first and self.echo:
+            text = self.echo[index // self.per_prompt] + text
         return {"index": index, "text": text, **self.finish_fields(index, out, new_ids, first)}
 
     def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
@@ -773,10 +933,20 @@ class _ChatChunks(_Chunks):
         return self.envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])
 
+    tool_plan = ToolPlan()
+
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
+        fields = self.finish_fields(index, out, new_ids, first)
+        if self.tool_plan.mode is not None:  # tool calls as deltas (server/tool_parsers.py)
+            streams = self.__dict__.setdefault("_tool_streams", {})
+            ts = streams.setdefault(index, ToolStream(self.tool_plan))
+            delta, reason = ts.delta(text, out.text, out.finished, out.finish_reason)
+            if out.finished:
+                fields["finish_reason"] = reason
+            return {"index": index, "delta": delta, **fields}
         delta = {"content": text} if text or not out.finished else {}
-        return {"index": index, "delta": delta, **self.finish_fields(index, out, new_ids, first)}
+        return {"index": index, "delta": delta, **fields}
 
     def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:
         if out.logprobs is None:
@@ -819,11 +989,9 @@ async def stream(group: RequestGroup, fmt: _Chunks, options: Any) -> AsyncIterat
             if out.finished:
                 finals[index] = out
     if include_usage:
-        outs = list(finals.values())
+        outs = [finals[i] for i in sorted(finals)]
         chunk = fmt.envelope([])
-        chunk["usage"] = usage(sum(len(o.prompt_token_ids) for o in outs),
-                               sum(len(o.token_ids) for o in outs),
-                               sum(o.num_cached_tokens for o in outs))
+        chunk["usage"] = total_usage(outs, fmt.per_prompt)
         yield sse(chunk)
     yield SSE_DONE
 

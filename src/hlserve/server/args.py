@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hlserve.request import REQUEST_CLASSES  # noqa: F401  (the server modules' import)
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # vLLM's names (server/tool_parsers.py)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROMPTS = 256
 # limits of hlserve serve (docs/server.md, "Limits")
@@ -48,6 +49,10 @@ class ServerSettings:
     retry_after_s: int = 1
     log_level: str = "info"
     access_log: bool = False
+    # tool calling, vLLM's flags: the format the model writes tool calls in, and whether
+    # tool_choice "auto" (the default when tools are sent) is allowed at all
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 def _positive(kind: type):
@@ -114,6 +119,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (default: info)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 "
+                        "<tool_call>{json}</tool_call>) or llama3_json (Llama 3 JSON); parsed "
+                        "into tool_calls under tool_choice auto")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto' (needs --tool-call-parser), as vLLM")
 
 
 def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
@@ -136,4 +147,6 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         min_priority=args.min_priority,
         log_level=args.log_level,
         access_log=args.access_log,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )

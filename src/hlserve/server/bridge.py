@@ -137,6 +137,7 @@ class Submission:
     index: int
     sink: EventSink
     cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
+    follows: str | None = None  # n > 1: the first sibling's request id (see Engine.add_request)
 
 
 @dataclass(eq=False)
@@ -370,7 +371,7 @@ class EngineBridge:
                     req = eng.add_request(sub.prompt, sub.params, request_id=sub.request_id,
                                           request_class=sub.request_class,
                                           priority=sub.priority, arrival_time=sub.arrival,
-                                          cache_salt=sub.cache_salt)
+                                          cache_salt=sub.cache_salt, follows=sub.follows)
                 except Exception as e:  # a bad request never takes the engine down
                     if not isinstance(e, InvalidRequestError):
                         log.exception("add_request failed for %s", sub.request_id)

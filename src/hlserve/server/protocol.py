@@ -2,9 +2,11 @@
 
 Request bodies are parsed strictly (no "5" for 5, no 1 for true) and unknown fields are
 rejected, as OpenAI does ("Unrecognized request argument supplied"): a typo in a sampling
-parameter should not silently change what is generated. Fields of the OpenAI API that this
-server cannot honour are accepted only at their neutral value (``n=1``, no logprobs, no
-penalties), so a client that asks for them learns that it did not get them.
+parameter should not silently change what is generated. (vLLM and SGLang ignore unknown
+fields; every field their benchmark clients send is known here, with its meaning.) Fields
+of the OpenAI API that this server cannot honour are accepted only at their neutral value
+(``suffix``, ``echo`` with ``logprobs``), so a client that asks for them learns that it did
+not get them.
 
 Every number is range-checked here, against what the engine can represent as well as what
 it means: integers that reach a tensor or a C call fit int32 (seeds: 64 bits), floats are
@@ -22,7 +24,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from hlserve.errors import InvalidRequestError
-from hlserve.request import FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, SamplingParams
+from hlserve.request import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingParams,
+)
 
 # ---- limits -----------------------------------------------------------------------------------
 
@@ -170,20 +179,23 @@ class _Common(_Strict):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Float32] | None = None
+    # token id (a JSON key: a string) -> bias in [-100, 100], as OpenAI bounds it
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
     # accepted and ignored: they do not change what is generated here
     user: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)  # 1: off
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     min_tokens: Count = 0
@@ -198,20 +210,18 @@ class _Common(_Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # hlserve: who waits on this request
     request_class: Literal["interactive", "agent"] | None = None
+    # output constraints (server/guided.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* extras; at most one per request
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """Reject OpenAI features this server does not implement, at non-neutral values."""
-        if self.n != 1:
-            raise ApiError(400, f"n must be 1 (one choice per prompt); got {self.n}", param="n",
-                           code="invalid_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None and value != 0:
-                raise ApiError(400, f"{name} is not supported by this server; got {value}",
-                               param=name, code="unsupported_parameter")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias",
-                           code="unsupported_parameter")
+        self.logit_bias_ids()
         if not self.skip_special_tokens:
             raise ApiError(400, "skip_special_tokens=false is not supported by this server",
                            param="skip_special_tokens", code="unsupported_parameter")
@@ -226,6 +236,22 @@ class _Common(_Strict):
     @property
     def requested_logprobs(self) -> int | None:
         return None
+
+    @property
+    def requested_best_of(self) -> int | None:
+        return None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys as token ids; a key that is not one is a 400."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+                raise ApiError(400, f"logit_bias keys must be token ids, got {clip(key)!r}",
+                               param="logit_bias", code="invalid_value")
+            out[int(key)] = bias
+        return out
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -242,6 +268,13 @@ class _Common(_Strict):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=self.requested_logprobs,
+                repetition_penalty=1.0 if self.repetition_penalty is None
+                else self.repetition_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self.logit_bias_ids(),
+                n=self.n,
+                best_of=self.requested_best_of,
             )
         except InvalidRequestError as e:
             raise invalid_request(str(e)) from None
@@ -265,12 +298,16 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise ApiError(400, f"best_of must be 1; got {self.best_of}", param="best_of",
-                           code="invalid_value")
-        if self.echo:
-            raise ApiError(400, "echo is not supported by this server", param="echo",
-                           code="unsupported_parameter")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError(400, f"best_of must be at least n={self.n}; got {self.best_of}",
+                           param="best_of", code="invalid_value")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise ApiError(400, "best_of > n cannot be streamed: the best sequences are known "
+                           "only at the end", param="best_of", code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            # prompt logprobs would need the logits of every prompt position: not computed
+            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported by this "
+                           "server", param="echo", code="unsupported_parameter")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", param="suffix",
                            code="unsupported_parameter")
@@ -278,6 +315,10 @@ class CompletionRequest(_Common):
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def requested_best_of(self) -> int | None:
+        return self.best_of
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: each item text or token ids."""
@@ -343,7 +384,6 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     # accepted and ignored
     metadata: dict[str, Any] | None = None
@@ -364,15 +404,9 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs", code="invalid_value")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool_choice other than 'none' or 'auto' is not supported by "
-                           "this server", param="tool_choice", code="unsupported_parameter")
         if self.modalities and self.modalities != ["text"]:
             raise ApiError(400, "this model only produces text", param="modalities",
                            code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format other than text is not supported by this "
-                           "server", param="response_format", code="unsupported_parameter")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree",
@@ -391,8 +425,44 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template places the special tokens
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        for name in ("continue_final_message", "add_special_tokens"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name}=true is not supported by this server's /tokenize",
+                               param=name, code="unsupported_parameter")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
-                   "logprobs",
+                   "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "n", "best_of",
                    "stop", "stop_token_ids", "prompt"}
 
 

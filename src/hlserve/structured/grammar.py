@@ -1,0 +1,125 @@
+"""Grammars compiled once per spec (llguidance) and matched token by token; the token mask
+of a batch's constrained rows applied to their logits."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import llguidance
+import torch
+
+from hlserve.errors import InvalidRequestError
+from hlserve.structured.params import StructuredOutputsParams
+
+CACHE_SIZE = 512  # compiled grammars kept (LRU), keyed by the spec's text
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarState:
+    """One request's matcher and how many of its output tokens it has consumed. The output
+    is the truth: a retracted request keeps its tokens (recompute) so its matcher stays
+    valid, and a matcher that ever disagrees with the output is rebuilt from it (:meth:`sync`)."""
+
+    __slots__ = ("accepted", "matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.accepted = 0
+
+    def advance(self, token: int) -> bool:
+        """Consume a sampled token; True once the grammar is complete and can take nothing
+        more (the request ends with finish_reason "stop")."""
+        self.matcher.consume_token(token)
+        self.accepted += 1
+        if self.matcher.is_error():
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+    def sync(self, output_ids: Sequence[int]) -> None:
+        if self.accepted == len(output_ids):
+            return
+        self.matcher.reset()
+        self.accepted = 0
+        for t in output_ids:
+            self.advance(t)
+
+
+class GrammarCompiler:
+    """Compiles specs against one tokenizer and vocabulary. Thread-safe: the server compiles
+    in its handlers (a bad schema is a 400 before the engine sees it), the engine thread
+    hits the cache."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self.vocab_size = vocab_size
+        self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                           eos_token=sorted(eos_ids))
+        self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher of the spec's grammar; raises InvalidRequestError if it is invalid."""
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit.deep_copy()
+        try:
+            matcher = llguidance.LLMatcher(self._tok, grammar_text(spec), log_level=0)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # whatever the engine raises on a spec is the spec's fault
+            raise InvalidRequestError(f"invalid {key[0]} for structured output: {e}") from None
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid {key[0]} for structured output: "
+                                      f"{matcher.get_error()}")
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return matcher.deep_copy()
+
+    def state(self, spec: StructuredOutputsParams) -> GrammarState:
+        return GrammarState(self.compile(spec))
+
+    @property
+    def cached(self) -> int:
+        return len(self._cache)
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    kind, text, compact = spec.key()
+    try:
+        if kind == "json":
+            options = {"whitespace_flexible": not compact}
+            return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(text)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", text)
+        return llguidance.grammar_from("grammar", text)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise InvalidRequestError(f"invalid {kind} for structured output: {e}") from None
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Any]) -> None:
+    """Set to -inf, in place, every logit the row's grammar does not allow now; rows of
+    requests without a grammar are untouched. The caller checks that there is one."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+    base, row_bytes = bitmask.data_ptr(), words * 4
+    for j, i in enumerate(rows):
+        state: GrammarState = reqs[i].grammar
+        state.sync(reqs[i].output_token_ids)
+        # row by row in this thread: tens of microseconds each. (llguidance's parallel
+        # executor cost ~40 ms a call here, its threads contending with torch's.)
+        state.matcher.unsafe_compute_mask_ptr(base + j * row_bytes, row_bytes)
+    allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).flatten(1)[:, :vocab].bool()
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), -float("inf"))
