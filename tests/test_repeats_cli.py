@@ -72,3 +72,32 @@ def test_a_failing_point_on_ray_is_reported_and_the_others_kept(tmp_path: Path,
     assert res["C=2048"]["completed"] == 2 and res["C=2048"]["total_token_throughput"] > 0
     assert res["bad"]["completed"] == 0 and "no-such-mixing" in res["bad"]["error"]
     assert "points with failures: bad" in capsys.readouterr().err
+
+
+STUDY = ["study", "--contexts", "8192", "--sessions", "4", "--systems", "hlserve,vllm",
+         "--chunks", "8192", "--duration", "40", "--warmup", "20", "--rounds", "2",
+         "--repeats", "2", "--jobs", "1"]
+
+
+def test_study_repeats_store_a_record_per_seed_and_ray_writes_the_same(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    from hlserve.sim.study import load_points
+
+    assert main([*STUDY, "--out", str(tmp_path / "local")]) == 0
+    names = sorted(p.name for p in (tmp_path / "local" / "points").glob("*.json"))
+    assert names == ["ctx8192_n4_hlserve_inf.json", "ctx8192_n4_hlserve_inf.seed1.json",
+                     "ctx8192_n4_vllm_8192.json", "ctx8192_n4_vllm_8192.seed1.json"]
+    merged = load_points(tmp_path / "local")
+    assert len(merged) == 2
+    for r in merged:
+        m = r["metrics"]
+        assert m["seeds"] == [0, 1] and m["window_token_throughput_ci95"] is not None
+        assert len(m["repeat_values"]["window_token_throughput"]) == 2
+    assert (tmp_path / "local" / "table.md").exists()
+
+    assert main([*STUDY, "--out", str(tmp_path / "ray"), "--ray"]) == 0
+    for name in names:
+        a = json.loads((tmp_path / "local" / "points" / name).read_text())
+        b = json.loads((tmp_path / "ray" / "points" / name).read_text())
+        a["metrics"].pop("wall_s"), b["metrics"].pop("wall_s")
+        assert a == b
