@@ -38,28 +38,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """The human tax on the default model: one closed-loop agent workload, served in a
-    production SLO mode and in throughput mode, side by side."""
-    from hlserve.bench.driver import compare_configs, format_comparison
-    from hlserve.workloads import AgentWorkload
+    """The human tax on the default model: SLO mode against throughput mode, interleaved
+    repeats with intervals, then the simulated 32K case where the tax exists (bench/demo.py)."""
+    from hlserve.bench.demo import DemoSpec, run_demo
 
-    model = args.model or str(default_model())
-    workload = AgentWorkload(sessions=args.sessions, rounds=args.rounds,
-                             system_prompt_len=args.system_prompt_len)
     common = engine_options(args)
     common.pop("mode", None)
-    configs = {"slo (vllm)": {"mode": "slo"}, "throughput": {"mode": "throughput"}}
-    results = compare_configs(model, configs, workload, **common)
-    slo, tp = results["slo (vllm)"], results["throughput"]
-    print(f"\nmodel: {model}; {args.sessions} agent sessions x {args.rounds} rounds, closed loop")
-    print(format_comparison(results, baseline="slo (vllm)"))
-    gain = tp["total_token_throughput"] / slo["total_token_throughput"] - 1
-    print(f"\nthroughput mode: {gain:+.0%} total token throughput; "
-          f"session time p50 {tp['median_session_time_s']:.1f}s vs {slo['median_session_time_s']:.1f}s; "
-          f"cost: TTFT p99 {tp['p99_ttft_ms']:.0f} vs {slo['p99_ttft_ms']:.0f} ms, "
-          f"TPOT p99 {tp['p99_tpot_ms']:.0f} vs {slo['p99_tpot_ms']:.0f} ms")
-    print(f"human tax of the SLO mode here: {1 - slo['total_token_throughput'] / tp['total_token_throughput']:.0%}"
-          " of throughput mode's throughput")
+    spec = DemoSpec(model=args.model or str(default_model()), sessions=args.sessions,
+                    rounds=args.rounds, system_prompt_len=args.system_prompt_len,
+                    repeats=args.repeats, seed=args.workload_seed, sim=args.sim,
+                    sim_repeats=args.sim_repeats)
+    run_demo(spec, common)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -102,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--system-prompt-len", type=int, default=1024)
+    from hlserve.bench.cli import add_repeat_args
+
+    add_repeat_args(p, default=8)
+    p.add_argument("--workload-seed", type=int, default=0,
+                   help="workload seed of repeat 0 (repeat i: this + i) (default: 0)")
+    p.add_argument("--sim-repeats", type=int, default=3,
+                   help="seeds of the simulated 32K case (default: 3)")
+    p.add_argument("--no-sim", dest="sim", action="store_false",
+                   help="skip the simulated 32K case")
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 

@@ -88,6 +88,19 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="token ids drawn from [LO, HI) (default: 3:4096)")
 
 
+def add_repeat_args(p: argparse.ArgumentParser, ray: bool = False, default: int = 1) -> None:
+    """``--repeats N`` (and ``--ray [ADDRESS]``), shared by bench, sweep, demo and study."""
+    g = p.add_argument_group("repeats")
+    g.add_argument("--repeats", type=int, default=default,
+                   help="runs per configuration, interleaved (A B A B), on seeds --seed + i; "
+                        "results carry 95%% intervals (*_ci95) and tables print "
+                        f"mean ± half-width (default: {default})")
+    if ray:
+        g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run every point and repeat as a Ray task: no ADDRESS starts a "
+                            "local Ray, an ADDRESS (e.g. ray://head:10001, auto) joins a cluster")
+
+
 def _add_slo_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("SLO")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target (goodput)")
@@ -120,6 +133,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
     _add_workload_args(p)
     _add_slo_args(p)
+    add_repeat_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--result-file", default=None, help="result JSON (vLLM bench serve keys)")
     o.add_argument("--request-file", default=None,
@@ -154,13 +168,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from hlserve.bench.serve_bench import format_result, run_bench
 
     try:
-        res = run_bench(bench_spec(args))
+        if args.repeats > 1:
+            from hlserve.bench.repeated import format_repeats, run_bench_repeated
+
+            res = run_bench_repeated(bench_spec(args), args.repeats)
+        else:
+            res = run_bench(bench_spec(args))
     except ProbeError as e:
         print(f"hlserve bench: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     print(format_result(res))
+    if args.repeats > 1:
+        print(format_repeats(res))
     if args.result_file:
         print(f"result: {args.result_file}; requests: {res.get('request_file')}")
+    if res.get("repeat_errors"):
+        print("hlserve bench: repeats failed: " + "; ".join(res["repeat_errors"]), file=sys.stderr)
+        raise SystemExit(1)
     if res["failed"]:
         print(f"hlserve bench: {res['failed']} request(s) failed "
               f"({res['sessions_failed']} session(s) abandoned)", file=sys.stderr)
@@ -202,6 +226,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="--server-cmd: the model name to request (default: the first served)")
     _add_workload_args(p, sweep=True)
     _add_slo_args(p)
+    add_repeat_args(p, ray=True)
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("results/sweep"),
                    help="output folder (default: results/sweep)")
@@ -238,11 +263,11 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         unlimited_value=args.unlimited_value, health_timeout=args.health_timeout,
         sim=args.sim, tp=args.tp, targets=_targets(args.targets), threads=args.threads,
         command="hlserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"]
-        else "hlserve sweep ...", title=args.title,
+        else "hlserve sweep ...", title=args.title, repeats=args.repeats, ray=args.ray,
     )
     summary = run_sweep(sw)
     bad = [p["label"] for p in summary["points"] if not p["result"].get("completed")
-           or p["result"].get("failed")]
+           or p["result"].get("failed") or p["result"].get("repeat_errors")]
     print(f"\nwrote {args.out}/frontier.png, {args.out}/tax.md, {args.out}/sweep.json")
     if bad:
         print(f"hlserve sweep: points with failures: {', '.join(bad)}", file=sys.stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.records import human_tax
+from hlserve.stats import fmt_ci
 
 THROUGHPUT = "total_token_throughput"
 
@@ -86,6 +87,10 @@ def tax_table(rows: Sequence[dict[str, Any]], metric: str = THROUGHPUT) -> str:
     for r in rows:
         thr = "—" if math.isnan(r["throughput"]) else f"{r['throughput']:,.0f}"
         tax = "—" if r["human_tax"] is None else f"{100 * r['human_tax']:.0f}%"
+        if r.get("human_tax_ci95"):  # repeated: the paired interval, and whether it shows a tax
+            lo, hi = r["human_tax_ci95"]
+            tax += f" [{100 * lo:.0f}%, {100 * hi:.0f}%]"
+            tax += ", within noise" if r.get("human_tax_within_noise") else ""
         out.append(f"| {_ms(r['slo_p99_ttft_ms'])} | {_ms(r['slo_p99_tpot_ms'])} | "
                    f"{r['best_config'] or 'none meets it'} | {thr} | {tax} |")
     return "\n".join(out)
@@ -98,6 +103,8 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
 
     def g(r: dict[str, Any], k: str, fmt: str = "{:,.0f}") -> str:
         v = r.get(k)
+        if v is not None and r.get(f"{k}_ci95"):  # repeated: mean ± half-width
+            return fmt_ci(v, r[f"{k}_ci95"], fmt)
         return "—" if v is None else fmt.format(v)
 
     for p in points:

@@ -215,6 +215,8 @@ class SweepSpec:
     threads: int | None = None  # torch threads in-process; OMP_NUM_THREADS for a server
     command: str = ""
     title: str = ""
+    repeats: int = 1  # interleaved repeats per point, seeds bench.seed + i (bench/repeated.py)
+    ray: str | None = None  # run the points as Ray tasks: "local" or a cluster's address
 
 
 def _slug(label: str) -> str:
@@ -230,6 +232,39 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
         env = {"OMP_NUM_THREADS": str(sw.threads)}  # for a --server-cmd
         if sw.server_cmd is None:
             base.setdefault("cpu_threads", sw.threads)
+    extra: dict[str, Any] = {}
+    if sw.repeats > 1 or sw.ray is not None:  # repeats with intervals, or Ray tasks
+        from hlserve.bench.repeated import run_points_repeated
+
+        results, extra = run_points_repeated(sw, base, env, log)
+    else:
+        results = _run_points(sw, base, env, log)
+    rows = report.tax_rows(results, sw.targets)
+    if extra:
+        from hlserve.bench.repeated import add_tax_intervals
+
+        add_tax_intervals(rows, results)
+    png = report.frontier_plot(results, out / "frontier.png", sw.title)
+    table = report.points_table(results)
+    tax = report.tax_table(rows)
+    (out / "tax.md").write_text(
+        f"# Sweep: {sw.title or sw.model}\n\nCommand:\n\n```\n{sw.command}\n```\n\n"
+        f"## Points\n\n{table}\n\n## Human tax\n\nTax = 1 − best throughput meeting the "
+        f"target / best throughput of any point (total token throughput).\n\n{tax}\n")
+    summary = {"command": sw.command, "model": sw.model, "engine_args": sw.engine_args,
+               "threads": sw.threads,
+               "server_cmd": sw.server_cmd, "sim": sw.sim, "points": results,
+               "tax": rows, "frontier_png": str(png), "python": sys.version.split()[0],
+               "repeats": sw.repeats, **extra}
+    (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    log("\n" + table + "\n\n" + tax)
+    return summary
+
+
+def _run_points(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None,
+                log: Any) -> list[dict[str, Any]]:
+    """Every point once, one after the other."""
+    out = sw.out_dir
     results: list[dict[str, Any]] = []
     for i, point in enumerate(sw.points):
         log(f"[{i + 1}/{len(sw.points)}] {point.label} {point.knobs} {shlex.join(point.args)}")
@@ -255,18 +290,4 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
                 f"p99 TPOT {res['p99_tpot_ms'] or float('nan'):.0f} ms; session p50 "
                 f"{res['median_session_time_s'] or float('nan'):.1f}s; failed {res['failed']}; "
                 f"{res['wall_s']:.0f}s")
-    rows = report.tax_rows(results, sw.targets)
-    png = report.frontier_plot(results, out / "frontier.png", sw.title)
-    table = report.points_table(results)
-    tax = report.tax_table(rows)
-    (out / "tax.md").write_text(
-        f"# Sweep: {sw.title or sw.model}\n\nCommand:\n\n```\n{sw.command}\n```\n\n"
-        f"## Points\n\n{table}\n\n## Human tax\n\nTax = 1 − best throughput meeting the "
-        f"target / best throughput of any point (total token throughput).\n\n{tax}\n")
-    summary = {"command": sw.command, "model": sw.model, "engine_args": sw.engine_args,
-               "threads": sw.threads,
-               "server_cmd": sw.server_cmd, "sim": sw.sim, "points": results,
-               "tax": rows, "frontier_png": str(png), "python": sys.version.split()[0]}
-    (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    log("\n" + table + "\n\n" + tax)
-    return summary
+    return results

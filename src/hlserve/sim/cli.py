@@ -170,6 +170,11 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
     p.add_argument("--wall-limit", type=float, default=900.0, help="wall seconds per point at most")
     p.add_argument("--report-only", action="store_true", help="plots and table from existing points")
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload seed (with --repeats N: seeds SEED .. SEED+N-1) (default: 0)")
+    from hlserve.bench.cli import add_repeat_args
+
+    add_repeat_args(p, ray=True)
 
 
 def cmd_study(args: argparse.Namespace) -> None:
@@ -181,11 +186,11 @@ def cmd_study(args: argparse.Namespace) -> None:
         sessions=tuple(ints(args.sessions)), systems=tuple(s for s in args.systems.split(",") if s),
         chunks=tuple(ints(args.chunks)) if args.chunks else None, duration=args.duration,
         warmup=args.warmup, rounds=args.rounds, output_mean=args.output_mean,
-        wall_limit=args.wall_limit,
+        wall_limit=args.wall_limit, seed=args.seed,
     )
     out = Path(args.out)
     if not args.report_only:
-        run_study(spec, out, jobs=args.jobs, progress=True)
+        run_study(spec, out, jobs=args.jobs, progress=True, repeats=args.repeats, ray=args.ray)
     paths = report(out)
     for p in paths:
         print(f"wrote {p}")

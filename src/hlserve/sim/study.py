@@ -171,10 +171,9 @@ def _worker(args: tuple[dict[str, Any], dict[str, Any], str]) -> str:
     spec_d, point_d, path = args
     spec = StudySpec(**{**spec_d, "contexts": tuple(spec_d["contexts"]),
                         "sessions": tuple(spec_d["sessions"]), "systems": tuple(spec_d["systems"])})
-    rec = run_point(spec, Point(**point_d))
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(rec, indent=1))
-    tmp.rename(path)
+    from hlserve.sim.study_runs import write_record
+
+    write_record(path, run_point(spec, Point(**point_d)))
     return path
 
 
@@ -209,20 +208,32 @@ def _record_run(path: Path, spec: StudySpec) -> None:
     path.write_text(json.dumps({"runs": runs}, indent=1))
 
 
-def run_study(spec: StudySpec, out: Path, jobs: int | None = None, progress: bool = True) -> list[Path]:
-    """Run every point not already in ``out/points`` (same spec); returns all point files."""
+def run_study(spec: StudySpec, out: Path, jobs: int | None = None, progress: bool = True,
+              repeats: int = 1, ray: str | None = None) -> list[Path]:
+    """Run every point not already in ``out/points`` (same spec), on ``repeats`` workload seeds
+    ``spec.seed + i`` (study_runs.py), locally or as Ray tasks; returns all point files."""
+    from hlserve.sim.study_runs import point_path, run_tasks_on_ray
+
     pdir = Path(out) / "points"
     pdir.mkdir(parents=True, exist_ok=True)
-    _record_run(Path(out) / "spec.json", spec)
-    points = spec.points()
-    todo = [p for p in points if not _done(pdir / f"{p.key}.json", spec)]
+    specs = [dataclasses.replace(spec, seed=spec.seed + i) for i in range(repeats)]
+    for s in specs:
+        _record_run(Path(out) / "spec.json", s)
+    points = [(s, p) for p in spec.points() for s in specs]
+    todo = [(s, p) for s, p in points if not _done(point_path(pdir, p.key, s.seed), s)]
     # longest first: the contexts and concurrencies that take longest start early
-    todo.sort(key=lambda p: -(p.context * p.sessions))
+    todo.sort(key=lambda sp: -(sp[1].context * sp[1].sessions))
+    tasks = [(dataclasses.asdict(s), dataclasses.asdict(p), str(point_path(pdir, p.key, s.seed)))
+             for s, p in todo]
+    paths = [point_path(pdir, p.key, s.seed) for s, p in points]
+    if ray is not None:
+        failures = run_tasks_on_ray(tasks, ray, progress)
+        if failures:
+            raise RuntimeError(f"{len(failures)} study point(s) failed: {'; '.join(failures)}")
+        return paths
     jobs = jobs or os.cpu_count() or 1
     bar = tqdm(total=len(points), initial=len(points) - len(todo), desc="study points",
                unit="pt", disable=not progress)
-    spec_d = dataclasses.asdict(spec)
-    tasks = [(spec_d, dataclasses.asdict(p), str(pdir / f"{p.key}.json")) for p in todo]
     if jobs <= 1:
         for t in tasks:
             _worker(t)
@@ -234,7 +245,7 @@ def run_study(spec: StudySpec, out: Path, jobs: int | None = None, progress: boo
                 f.result()
                 bar.update(1)
     bar.close()
-    return [pdir / f"{p.key}.json" for p in points]
+    return paths
 
 
 # ---- analysis -------------------------------------------------------------------------------------
@@ -247,7 +258,9 @@ def load_points(out: Path) -> list[dict[str, Any]]:
             recs.append(json.loads(path.read_text()))
         except json.JSONDecodeError:
             continue
-    return recs
+    from hlserve.sim.study_runs import merge_seeds
+
+    return merge_seeds(recs)  # a point run on several seeds: one record, means and *_ci95
 
 
 METRIC = "window_token_throughput"  # tokens served per second in the window (drive.py)
