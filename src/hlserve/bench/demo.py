@@ -40,8 +40,8 @@ class DemoSpec:
 def _real_run(spec: DemoSpec, common: dict[str, Any], options: dict[str, Any],
               seed: int) -> dict[str, Any]:
     from hlserve.bench.driver import run_agent_sessions
-    from hlserve.workloads import AgentWorkload
     from hlserve.llm import build_engine
+    from hlserve.workloads import AgentWorkload
 
     engine = build_engine(spec.model, **{**common, **options})
     workload = AgentWorkload(sessions=spec.sessions, rounds=spec.rounds,
