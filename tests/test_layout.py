@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runner",),
     ("engine",),
     ("models", "tokenizer"),
-    ("workloads", "config", "cpu_runtime"),
+    ("workloads", "config", "cpu_runtime", "stats"),
     ("request",),
     ("structured",),  # grammars: below the request, whose params may carry one
     ("errors",),

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--system-prompt-len", type=int, default=1024)
-    from hlserve.bench.cli import add_repeat_args
+    from hlserve.driver.repeats import add_repeat_args
 
     add_repeat_args(p, default=8)
     p.add_argument("--workload-seed", type=int, default=0,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.records import SLO
+from hlserve.driver.repeats import add_repeat_args
 from hlserve.request import REQUEST_CLASSES
 
 
@@ -86,19 +87,6 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab", type=parse_range, default=(3, 4096), metavar="LO:HI",
                    help="token ids drawn from [LO, HI) (default: 3:4096)")
-
-
-def add_repeat_args(p: argparse.ArgumentParser, ray: bool = False, default: int = 1) -> None:
-    """``--repeats N`` (and ``--ray [ADDRESS]``), shared by bench, sweep, demo and study."""
-    g = p.add_argument_group("repeats")
-    g.add_argument("--repeats", type=int, default=default,
-                   help="runs per configuration, interleaved (A B A B), on seeds --seed + i; "
-                        "results carry 95%% intervals (*_ci95) and tables print "
-                        f"mean ± half-width (default: {default})")
-    if ray:
-        g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                       help="run every point and repeat as a Ray task: no ADDRESS starts a "
-                            "local Ray, an ADDRESS (e.g. ray://head:10001, auto) joins a cluster")
 
 
 def _add_slo_args(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ A_i and B_i are a pair and :func:`hlserve.stats.ratio_ci` can use the pairing.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -166,3 +167,16 @@ def run_repeats(configs: Mapping[str, C], run: Callable[[C, int], dict[str, Any]
             "order": [[r.name, r.repeat, r.seed] for r in runs], "errors": errors,
             "plan": {"repeats": plan.repeats, "base_seed": plan.base_seed,
                      "warmup": plan.warmup}}
+
+
+def add_repeat_args(p: argparse.ArgumentParser, ray: bool = False, default: int = 1) -> None:
+    """``--repeats N`` (and ``--ray [ADDRESS]``), shared by bench, sweep, demo and study."""
+    g = p.add_argument_group("repeats")
+    g.add_argument("--repeats", type=int, default=default,
+                   help="runs per configuration, interleaved (A B A B), on seeds --seed + i; "
+                        "results carry 95%% intervals (*_ci95) and tables print "
+                        f"mean ± half-width (default: {default})")
+    if ray:
+        g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run every point and repeat as a Ray task: no ADDRESS starts a "
+                            "local Ray, an ADDRESS (e.g. ray://head:10001, auto) joins a cluster")

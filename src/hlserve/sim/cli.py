@@ -172,7 +172,7 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-only", action="store_true", help="plots and table from existing points")
     p.add_argument("--seed", type=int, default=0,
                    help="workload seed (with --repeats N: seeds SEED .. SEED+N-1) (default: 0)")
-    from hlserve.bench.cli import add_repeat_args
+    from hlserve.driver.repeats import add_repeat_args
 
     add_repeat_args(p, ray=True)
 
