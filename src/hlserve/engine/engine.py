@@ -255,6 +255,16 @@ class Engine:
         return self.kv.num_pages * self.kv.page_size
 
     @property
+    def kv_num_pages(self) -> int:
+        """Pages in the KV pool (fixed at start: the simulator sizes its pool from it)."""
+        return self.kv.num_pages
+
+    @property
+    def stage_switches(self) -> int | None:
+        """Two-stage mixing's switches between its stages; None under another mixing policy."""
+        return getattr(self.scheduler.mixing, "switches", None)
+
+    @property
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache since start (vLLM's meaning)."""
         return self.kv.prefix_queries

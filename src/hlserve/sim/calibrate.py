@@ -480,7 +480,7 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
     wall = now() - t
     drift = (drift_before * machine_drift(model_dir, hw, device)) ** 0.5
     steps = rec.finish()
-    num_pages = engine.kv.num_pages
+    num_pages = engine.kv_num_pages
     config = engine.config.replace(num_pages=num_pages)
     cm = CostModel(engine.runner.model_config, hw)
     pred_step = np.array([cm.iteration(s.shape)[0] for s in steps])

@@ -150,7 +150,7 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
         "errors": res.errors,
         "iterations": engine.stats.steps,
         "mixed_iterations": runner.mixed_steps,
-        "stage_switches": getattr(engine.scheduler.mixing, "switches", None),
+        "stage_switches": engine.stage_switches,
         "prefill_tokens_computed": runner.prefill_tokens,
         "decode_tokens_computed": runner.decode_tokens,
         "sim_seconds": engine.clock(),
