@@ -14,6 +14,7 @@ Where it is missing the module is skipped, and the rest of the suite runs.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import os
@@ -130,6 +131,14 @@ def _wait_for(url: str, name: str, at_least: float, timeout: float = 60.0) -> No
         time.sleep(0.02)
 
 
+def _wait_until(url: str, name: str, at_most: float, timeout: float = 60.0) -> None:
+    """Poll a vLLM gauge until it falls to ``at_most``."""
+    end = time.monotonic() + timeout
+    while _gauge(url, name) > at_most:
+        assert time.monotonic() < end, f"{name} never fell to {at_most}"
+        time.sleep(0.02)
+
+
 def _tokens(seed: int, n: int) -> list[int]:
     """Distinct token-id prompts (ids in the tiny vocabulary, none special)."""
     return [3 + (seed * 7919 + i * 131) % 4000 for i in range(n)]
@@ -151,15 +160,36 @@ def common_jobs() -> list[dict[str, tuple[list[int], int]]]:
     ]
 
 
+class _Held:
+    """A streamed completion that keeps its running slot until ``release`` closes the
+    connection (vLLM aborts a request whose client went away). The phases that need full
+    slots then hold them for as long as they need, on a fast machine or a loaded one."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, tag: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "vllm_xargs": {"hlserve_tag": tag}}
+        self.conn.request("POST", "/v1/completions", json.dumps(body),
+                          {"content-type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        while not self.resp.readline().startswith(b"data: {"):  # its first token: running
+            pass
+
+    def release(self) -> None:
+        self.conn.close()
+
+
 def lpm_phase(url: str) -> None:
-    """A warm prefix cached; four blockers fill the running slots (they finish one by one);
-    three cold requests, then two warm ones, queue behind them."""
+    """A warm prefix cached; four blockers fill the running slots; three cold requests,
+    then two warm ones, queue behind them. One blocker is released: the five go through its
+    slot one at a time (each is short), in the order the queue chooses; then the rest."""
     warm = _tokens(40, 2048)
     _complete(url, warm + _tokens(41, 64), 1, "warmup")
-    with ThreadPoolExecutor(9) as ex:
-        blockers = [ex.submit(_complete, url, _tokens(50 + i, 256), 300 + 50 * i, f"block{i}")
-                    for i in range(MAX_SEQS)]
-        _wait_for(url, "vllm:num_requests_running", MAX_SEQS)
+    # 4 x (16 + 1500) tokens = 48 blocks at most: the warm prefix's 17 stay cached
+    blockers = [_Held(url, _tokens(50 + i, 16), 1500, f"block{i}") for i in range(MAX_SEQS)]
+    with ThreadPoolExecutor(5) as ex:
         later = []
         for i in range(3):
             later.append(ex.submit(_complete, url, _tokens(60 + i, 2100), 4, f"cold{i}"))
@@ -168,8 +198,13 @@ def lpm_phase(url: str) -> None:
         for i in range(2):
             later.append(ex.submit(_complete, url, warm + _tokens(70 + i, 52), 4, f"warm{i}"))
             time.sleep(0.05)
-        for f in blockers + later:
+        _wait_for(url, "vllm:num_requests_waiting", 5)
+        blockers[0].release()
+        for f in later:
             f.result()
+    for b in blockers[1:]:
+        b.release()
+    _wait_until(url, "vllm:num_requests_running", 0)
 
 
 def budget_phase(url: str) -> None:
