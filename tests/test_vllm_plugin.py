@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -81,8 +82,9 @@ def _complete(url: str, prompt: list[int], max_tokens: int, tag: str,
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int, tag: str,
-            **xargs: Any) -> tuple[float, list[float]]:
-    """Streamed completion: (time to first token, gaps between the later chunks)."""
+            started: threading.Event | None = None, **xargs: Any) -> tuple[float, list[float]]:
+    """Streamed completion: (time to first token, gaps between the later chunks);
+    ``started`` is set at the first token."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "vllm_xargs": {"hlserve_tag": tag, **xargs}}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
@@ -93,6 +95,8 @@ def _stream(url: str, prompt: list[int], max_tokens: int, tag: str,
         for line in r:
             if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
+                if started is not None:
+                    started.set()
     return stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)]
 
 
@@ -221,9 +225,10 @@ def interactive_phase(url: str) -> dict[str, Any]:
     """An interactive request streams; two agent requests with 4K prompts arrive while it
     decodes; after it ends, another agent request alone."""
     with ThreadPoolExecutor(3) as ex:
-        inter = ex.submit(_stream, url, _tokens(130, 256), 96, "inter",
+        started = threading.Event()
+        inter = ex.submit(_stream, url, _tokens(130, 256), 192, "inter", started,
                           request_class="interactive")
-        time.sleep(0.3)
+        assert started.wait(300), "the interactive request never streamed"
         agents = [ex.submit(_complete, url, _tokens(120 + i, 4000), 16, f"agent{i}")
                   for i in range(2)]
         ttft, gaps = inter.result()
