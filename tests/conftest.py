@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from hlserve.models.cpu_kernels import decode_op
 from hlserve.models.tiny import make_tiny_model
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU decode kernel once, before any test starts a server that would
+    otherwise pay the build inside its start-up timeout."""
+    decode_op()
 
 ARCHS = ("llama", "qwen2", "qwen3")
 

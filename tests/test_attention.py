@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from hlserve import LLM, SamplingParams
 from hlserve.models import attention as attn
 from hlserve.models import tiny
+from hlserve.models.cpu_kernels import decode_op
 from hlserve.models.packed_linear import PackedLinear, can_prepack
 
 
@@ -111,6 +112,60 @@ def test_padded_decode_path_matches_reference(page_size) -> None:
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def paged(meta: attn.AttentionMetadata, seqs: list[tuple[int, int]], page_size: int,
+          ctx_pages: list[int]) -> attn.PagedDecodes:
+    """The decodes of ``seqs`` as the CPU kernel reads them: concatenated page tables."""
+    rows, pages, lo, lengths = [], [], [], []
+    for seg, (ctx, n) in zip(meta.segments, seqs, strict=True):
+        if n == 1 and ctx > 0:
+            rows.append(seg.start)
+            lo.append(len(pages))
+            pages.extend(ctx_pages[seg.page_lo : seg.page_hi])
+            lengths.append(ctx + 1)
+    return attn.PagedDecodes(*(torch.tensor(x) for x in (rows, pages, lo, lengths)))
+
+
+needs_kernel = pytest.mark.skipif(decode_op() is None, reason="the CPU decode kernel did not build")
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_kernel_decode_matches_reference(heads, kv_heads, page_size) -> None:
+    """The in-place C++ decode (the CPU path): same result as the dense reference, in a
+    batch that also holds fresh prompts and chunks over a context."""
+    q, k, v, kc, vc, meta, scale, ref = build_case(heads, kv_heads, page_size, MIXED, seed=7)
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    assert meta.context_pages is not None
+    meta.paged_decodes = paged(meta, MIXED, page_size, meta.context_pages.tolist())
+    out = attn.paged_attention(q, k, v, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_decode_half_precision(dtype) -> None:
+    """bf16 / fp16 pools: within the rounding of the output's own dtype, on contexts that
+    span many pages (up to 3,000 keys over shuffled 16-token pages)."""
+    seqs = [(3000, 1), (1, 1), (777, 1), (2048, 1)]
+    q, k, v, kc, vc, meta, scale, ref = build_case(14, 2, 16, seqs, seed=11)
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    assert meta.context_pages is not None
+    meta.paged_decodes = paged(meta, seqs, 16, meta.context_pages.tolist())
+    out = attn.paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), kc.to(dtype),
+                               vc.to(dtype), meta, scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_switch_off_gives_the_pytorch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HLSERVE_CPU_KERNELS=0: no kernel is loaded (the runner then gathers and calls SDPA)."""
+    from hlserve.models import cpu_kernels
+
+    monkeypatch.setenv("HLSERVE_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert cpu_kernels.decode_op() is None
+
+
 def test_masked_fallback_matches_lse_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the CPU LSE kernel, prefill over a context falls back to one masked call."""
     seqs = [(40, 17), (3, 30)]
@@ -147,11 +202,18 @@ def mha_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                     seed=2)
 
 
+@pytest.mark.parametrize("decode_path", ["cpu_kernel", "per_sequence"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("which", ["gqa", "mha"])
-def test_long_contexts_match_transformers(which, page_size, tiny_model_dirs, mha_model) -> None:
+def test_long_contexts_match_transformers(which, page_size, decode_path, tiny_model_dirs,
+                                          mha_model, monkeypatch) -> None:
     """Prompts of up to 700 tokens (700 pages at page size 1), chunked so that later chunks
-    read a long cached context, then decodes over it; a shared prefix hits the cache."""
+    read a long cached context, then decodes over it; a shared prefix hits the cache. Both
+    CPU decode paths: the in-place C++ kernel and the gather + SDPA fallback."""
+    if decode_path == "cpu_kernel" and decode_op() is None:
+        pytest.skip("the CPU decode kernel did not build")
+    if decode_path == "per_sequence":
+        monkeypatch.setattr("hlserve.runner.torch_runner.decode_op", lambda: None)
     path = tiny_model_dirs["qwen2"] if which == "gqa" else mha_model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(13)
@@ -164,6 +226,7 @@ def test_long_contexts_match_transformers(which, page_size, tiny_model_dirs, mha
     refs = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     llm = LLM(str(path), dtype="float32", page_size=page_size, chunk_size=128,
               check_invariants=True)
+    assert llm.engine.runner.decode_path == decode_path
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
     again = llm.generate(prompts, GREEDY, use_tqdm=False)  # from the prefix cache
     assert [o.token_ids for o in again] == refs

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hlserve.models.cpu_kernels import decode_op
+
 
 @dataclass(slots=True)
 class Segment:
@@ -66,12 +68,28 @@ class PaddedDecodes:
 
 
 @dataclass(slots=True)
+class PagedDecodes:
+    """Every decode of the batch read in place by the CPU kernel: rows and page tables."""
+
+    rows: torch.Tensor  # [B] index of each decode token in the flat batch
+    pages: torch.Tensor  # [N] the B page tables, concatenated
+    page_lo: torch.Tensor  # [B] where decode b's table starts in ``pages``
+    lengths: torch.Tensor  # [B] keys each decode sees (its context + itself)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot (page * page_size + offset) of every new token
     segments: list[Segment]
     # the page tables of every segment with context, concatenated (one gather per layer)
     context_pages: torch.Tensor | None = None
     padded_decodes: PaddedDecodes | None = None  # set: decodes run batched (see module doc)
+    paged_decodes: PagedDecodes | None = None  # set: decodes run in the CPU kernel
+
+    @property
+    def decodes_batched(self) -> bool:
+        """The decodes run in one call (not per segment): padded, or in the CPU kernel."""
+        return self.padded_decodes is not None or self.paged_decodes is not None
 
 
 def kv_cache_shape(num_pages: int, page_size: int, kv_heads: int, head_dim: int
@@ -107,13 +125,19 @@ def paged_attention(
     batched = meta.padded_decodes
     if batched is not None:
         out[batched.rows] = _padded_decode(q[batched.rows], k_cache, v_cache, batched, scale)
+    paged = meta.paged_decodes
+    if paged is not None:
+        op = decode_op()
+        assert op is not None, "paged_decodes set without the CPU kernel"
+        out[paged.rows] = op(q[paged.rows].contiguous(), k_cache, v_cache, paged.pages,
+                             paged.page_lo, paged.lengths, scale)
     for seg in meta.segments:
         if seg.context_len == 0:
             out[seg.start : seg.end] = _fresh_prefill(q[seg.start : seg.end],
                                                       k[seg.start : seg.end],
                                                       v[seg.start : seg.end], scale)
             continue
-        if batched is not None and seg.num_new == 1:
+        if meta.decodes_batched and seg.num_new == 1:
             continue  # done above
         assert kc is not None and vc is not None
         ks = kc[:, seg.page_lo : seg.page_hi].reshape(kvh, -1, d)[:, : seg.total_len]

@@ -9,8 +9,15 @@ import torch
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
-from hlserve.models.attention import AttentionMetadata, PaddedDecodes, Segment, kv_cache_shape
+from hlserve.models.attention import (
+    AttentionMetadata,
+    PaddedDecodes,
+    PagedDecodes,
+    Segment,
+    kv_cache_shape,
+)
 from hlserve.models.config import ModelConfig
+from hlserve.models.cpu_kernels import decode_op, supports
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
@@ -54,16 +61,26 @@ class TorchRunner(Runner):
             )
             for _ in range(mc.num_hidden_layers)
         ]
-        # decodes as one padded call where kernel launches cost more than padding (CUDA)
-        self.batched_decode = self.device.type == "cuda"
+        self.decode_path = self._decode_path(mc.head_dim)
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.adjuster = LogitsAdjuster(self.device)  # logit_bias and penalties
         log.info(
-            "loaded %s (%s, %.1fM params) on %s; KV pool %d pages x %d tokens (%.2f GiB)",
-            mc.architecture, self.dtype, mc.num_parameters() / 1e6, self.device,
-            self.num_pages, self.page_size, slots * per_token / 2**30,
+            "loaded %s (%s, %.1fM params) on %s; KV pool %d pages x %d tokens (%.2f GiB); "
+            "decode attention: %s", mc.architecture, self.dtype, mc.num_parameters() / 1e6,
+            self.device, self.num_pages, self.page_size, slots * per_token / 2**30,
+            self.decode_path,
         )
+
+    def _decode_path(self, head_dim: int) -> str:
+        """How decodes attend: one padded call on CUDA (a launch per sequence costs more
+        than the padding), the in-place C++ kernel on the CPU where it builds, else one SDPA
+        call per sequence over its gathered context."""
+        if self.device.type == "cuda":
+            return "padded"
+        if supports(head_dim, self.dtype) and decode_op() is not None:
+            return "cpu_kernel"
+        return "per_sequence"
 
     # ---- batch -> tensors ----------------------------------------------------------------
     def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -88,8 +105,8 @@ class TorchRunner(Runner):
                 slots.extend([table[p // ps] * ps + p % ps for p in rng])
             seg = Segment(t0, len(ids), seq.start)
             # a sequence with context reads it back through its pages, in the per-layer
-            # gather; decodes batched into one padded call gather their own
-            if seq.start > 0 and not (self.batched_decode and seq.is_decode):
+            # gather; decodes batched into one call (padded, or the CPU kernel) do not
+            if seq.start > 0 and not (self.decode_path != "per_sequence" and seq.is_decode):
                 seg.page_lo = len(ctx_pages)
                 ctx_pages.extend(table[: -(-seq.end // ps)])
                 seg.page_hi = len(ctx_pages)
@@ -99,8 +116,10 @@ class TorchRunner(Runner):
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), segments=segments,
             context_pages=torch.tensor(ctx_pages, dtype=torch.long, device=dev)
             if ctx_pages else None)
-        if self.batched_decode:
+        if self.decode_path == "padded":
             meta.padded_decodes = self._padded_decodes(batch, segments)
+        elif self.decode_path == "cpu_kernel":
+            meta.paged_decodes = self._paged_decodes(batch, segments)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
@@ -118,6 +137,22 @@ class TorchRunner(Runner):
         return PaddedDecodes(torch.tensor([row for row, _ in decodes], device=dev),
                              torch.tensor(pages, device=dev),
                              torch.tensor([seq.end for _, seq in decodes], device=dev))
+
+    def _paged_decodes(self, batch: Batch, segments: list[Segment]) -> PagedDecodes | None:
+        rows: list[int] = []
+        pages: list[int] = []
+        lo: list[int] = []
+        lengths: list[int] = []
+        for seq, seg in zip(batch.seqs, segments, strict=True):
+            if seq.is_decode:
+                rows.append(seg.start)
+                lo.append(len(pages))
+                pages.extend(seq.page_table[: -(-seq.end // self.page_size)])
+                lengths.append(seq.end)
+        if not rows:
+            return None
+        return PagedDecodes(*(torch.tensor(x, dtype=torch.long) for x in (rows, pages, lo,
+                                                                          lengths)))
 
     # ---- execute ------------------------------------------------------------------------
     @torch.inference_mode()
