@@ -50,6 +50,7 @@ from pathlib import Path
 from hlserve.bench.cli import parse_range
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
 from hlserve.server.launch import ExternalServer, free_port
+from hlserve.stats import clean, fmt_ci, mean_ci, ratio_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"
@@ -286,11 +287,15 @@ def main() -> int:
         results[run] = res
 
     print("\n" + table(results))
+    repeated = repeat_table(results)
+    if repeated:
+        print("\nRepeats (interleaved), with 95% intervals:\n" + repeated)
     (args.out / "summary.json").write_text(json.dumps(
         {"workload": vars(args) | {"model_dir": str(model), "out": str(args.out),
                                    "vllm_venv": str(args.vllm_venv),
                                    "profile": str(args.profile)},
-         "results": {k: {m: v.get(m) for m in KEYS} for k, v in results.items()}},
+         "results": {k: {m: v.get(m) for m in KEYS} for k, v in results.items()},
+         "repeats_table": repeated},
         indent=2, default=str) + "\n")
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 
@@ -323,6 +328,46 @@ def table(results: dict[str, dict]) -> str:
             f"{r.get('peak_rss_gib', float('nan')):.2f} | {r['failed']} | "
             f"{ratio(r, 'total_token_throughput')} | {ratio(r, 'median_session_time_s')} | "
             f"{ratio(r, 'tokens_per_server_cpu_s')} |")
+    return "\n".join(lines)
+
+
+RATIO_KEYS = (("total_token_throughput", "total tok/s"), ("median_session_time_s", "session p50"),
+              ("tokens_per_server_cpu_s", "tok per CPU-s"))
+
+
+def repeat_table(results: dict[str, dict]) -> str | None:
+    """Where servers ran more than once (``--servers vllm,vllm-hlserve,vllm,vllm-hlserve``):
+    each server's mean ± 95% interval, and its ratio to the first vLLM server with the
+    paired Fieller interval (the k-th run of each server pairs with the k-th of the
+    reference: interleaved, they shared the machine's state of that cycle). None when
+    nothing repeated."""
+    runs: dict[str, list[dict]] = {}
+    for name, r in results.items():
+        runs.setdefault(name.split("#")[0], []).append(r)
+    ref_name = next((n for n in runs if n.startswith("vllm")), None)
+    if ref_name is None or max(len(v) for v in runs.values()) < 2:
+        return None
+    head = "| server | runs | " + " | ".join(f"{t} (mean ± 95%)" for _, t in RATIO_KEYS) + \
+        " | " + " | ".join(f"{t} vs {ref_name}" for _, t in RATIO_KEYS) + " |"
+    lines = [head, "|---|---:|" + "---:|" * (2 * len(RATIO_KEYS))]
+    ref = runs[ref_name]
+    for name, rs in runs.items():
+        cells = []
+        for key, _ in RATIO_KEYS:
+            mean, ci = mean_ci(clean([r.get(key) for r in rs]))
+            cells.append(fmt_ci(mean, ci, "{:,.1f}" if "session" in key else "{:,.0f}"))
+        for key, _ in RATIO_KEYS:
+            n = min(len(rs), len(ref))
+            a = [ref[i].get(key) for i in range(n)]
+            b = [rs[i].get(key) for i in range(n)]
+            if name == ref_name or None in a + b:
+                cells.append("—")
+                continue
+            v = ratio_verdict(a, b)
+            cells.append(f"{v.ratio:.2f}x [{v.ci[0]:.2f}, {v.ci[1]:.2f}]"
+                         + (" (no difference)" if v.within_noise else "")
+                         if v.ci else f"{v.ratio:.2f}x (n={n})")
+        lines.append(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
