@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -35,6 +36,151 @@ inline void load_rows(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+#if defined(__AVX512F__)
+// ---- AVX-512 path (bf16 / fp16 / fp32 pools, head_dim a multiple of 16) -------------------
+// Scores: a tile of 16 keys is converted to fp32 once; each query row's 16 dot products are
+// summed into one vector by a transpose-reduce (no horizontal add per key). Values: per
+// 16-lane slice of head_dim, the G accumulators stay in registers across the whole context.
+#include <immintrin.h>
+
+namespace avx {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// v[0..15] -> one vector whose lane pos(r) is the sum of v[r]'s lanes (see row_lane)
+inline __m512 transpose_reduce(__m512* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[i], v[i + 2], 0x44),
+                         _mm512_shuffle_ps(v[i], v[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+// the lane that transpose_reduce puts row r's sum in
+inline int row_lane(int r) {
+  const int quarter[4] = {0, 2, 1, 3};  // row bits 2-3 (offsets 0, 4, 8, 12) -> quarter
+  const int within[4] = {0, 2, 1, 3};   // row bits 0-1 -> lane within the quarter
+  return 4 * quarter[(r >> 2) & 3] + within[r & 3];
+}
+
+template <typename T>
+void scores_pass(const float* __restrict qf, const T* __restrict kbase,
+                 const int64_t* __restrict table, int64_t len, int64_t S, int64_t G,
+                 int64_t D, float* __restrict scores /* [G][len] */) {
+  alignas(64) float tile[16 * 256];
+  int lane_of[16];
+  for (int r = 0; r < 16; ++r) lane_of[r] = row_lane(r);
+  __m512i perm;
+  {
+    alignas(64) int idx[16];
+    for (int r = 0; r < 16; ++r) idx[r] = lane_of[r];  // out lane r <- reduced lane of row r
+    perm = _mm512_load_si512(idx);
+  }
+  const int64_t C = D / 16;
+  for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - l0);
+    for (int64_t r = 0; r < 16; ++r) {
+      float* dst = tile + r * D;
+      if (r < n) {
+        const int64_t l = l0 + r;
+        const T* kr = kbase + (table[l / S] * S + l % S) * D;
+        for (int64_t c = 0; c < C; ++c) _mm512_store_ps(dst + 16 * c, load16(kr + 16 * c));
+      } else {
+        for (int64_t c = 0; c < C; ++c) _mm512_store_ps(dst + 16 * c, _mm512_setzero_ps());
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_load_ps(tile + r * D));
+      for (int64_t c = 1; c < C; ++c) {
+        const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
+        for (int r = 0; r < 16; ++r)
+          acc[r] = _mm512_fmadd_ps(qc, _mm512_load_ps(tile + r * D + 16 * c), acc[r]);
+      }
+      const __m512 s = _mm512_permutexvar_ps(perm, transpose_reduce(acc));
+      float* out = scores + g * len + l0;
+      if (n == 16) _mm512_storeu_ps(out, s);
+      else _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), s);
+    }
+  }
+}
+
+template <typename T, int GT>
+void values_block(const float* __restrict w /* [G][len], exp'd */, const T* __restrict vbase,
+                  const int64_t* __restrict table, int64_t len, int64_t S, int64_t D,
+                  const float* __restrict inv, T* __restrict out, int64_t out_stride) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 acc[GT];
+    for (int g = 0; g < GT; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t p = 0, l = 0; l < len; ++p) {
+      const T* page = vbase + table[p] * S * D + c;
+      const int64_t n = std::min(S, len - l);
+      for (int64_t r = 0; r < n; ++r, ++l) {
+        const __m512 v = load16(page + r * D);
+        for (int g = 0; g < GT; ++g)
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * len + l]), v, acc[g]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv[g])));
+      for (int i = 0; i < 16; ++i) out[g * out_stride + c + i] = static_cast<T>(tmp[i]);
+    }
+  }
+}
+
+template <typename T>
+void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t len, int64_t S,
+                 int64_t G, int64_t D, const float* inv, T* out) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int64_t gb = std::min<int64_t>(8, G - g0);
+    const float* wg = w + g0 * len;
+    T* og = out + g0 * D;
+    switch (gb) {
+      case 1: values_block<T, 1>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      case 2: values_block<T, 2>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      case 3: values_block<T, 3>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      case 4: values_block<T, 4>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      case 5: values_block<T, 5>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      case 6: values_block<T, 6>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      case 7: values_block<T, 7>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+      default: values_block<T, 8>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+    }
+  }
+}
+
+}  // namespace avx
+#endif
+
+// rows of ``scores`` [G][len] -> exp(s - max) in place; inv[g] = 1 / their sum
+inline void softmax_rows(float* __restrict scores, int64_t G, int64_t len, float* __restrict inv) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* __restrict sg = scores + g * len;
+    float m = sg[0];
+    for (int64_t j = 1; j < len; ++j) m = std::max(m, sg[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      sg[j] = std::exp(sg[j] - m);
+      sum += sg[j];
+    }
+    inv[g] = 1.f / sum;
+  }
+}
+
+
 // D as a template parameter: the compiler unrolls the row loops into whole vectors.
 template <typename T, int64_t D>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* page_lo,
@@ -50,6 +196,17 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
       scores.resize(G * len);
       const T* qb = q + (b * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qb[i]) * scale;
+#if defined(__AVX512F__)
+      if constexpr (D % 16 == 0 && !std::is_same_v<T, double>) {
+        const T* kbase = kc + h * P * S * D;
+        const T* vbase = vc + h * P * S * D;
+        avx::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
+        softmax_rows(scores.data(), G, len, inv.data());
+        avx::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(),
+                            out + (b * H + h * G) * D);
+        continue;
+      }
+#endif
       for (int64_t p = 0; p < num_pages; ++p) {
         const int64_t n = std::min(S, len - p * S);
         load_rows(kc + (h * P + table[p]) * S * D, rows.data(), n * D);
@@ -63,16 +220,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * len;
-        const float m = *std::max_element(sg, sg + len);
-        float sum = 0.f;
-        for (int64_t j = 0; j < len; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          sum += sg[j];
-        }
-        inv[g] = 1.f / sum;
-      }
+      softmax_rows(scores.data(), G, len, inv.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < num_pages; ++p) {
         const int64_t n = std::min(S, len - p * S);
