@@ -7,9 +7,10 @@ its chunk size C; ``sarathi`` its C = B; ``vllm`` its token budget B), throughpu
 below). Each point runs the closed-loop agent workload at constant concurrency
 (``run_agent_steady``) on an Engine with the real Scheduler and KV cache and a SimRunner, and
 writes one JSON file; a sweep skips the points already written (resumable) and runs the rest
-in parallel processes. ``report`` turns the points into frontier plots (throughput against
-TTFT p99 and TPOT p99, Pareto front marked), a plot of the human tax against the SLO target,
-a markdown table and ``summary.json``.
+in parallel processes. ``report`` turns the stored points into the figures of study_plots.py
+(pooled frontiers with the SLO targets and the tax marked, the tax against the TPOT target, the
+components), a markdown table and ``summary.json``, without simulating anything
+(``hlserve study --out DIR --report-only``).
 
 Human tax at an SLO target (TTFT p99 <= x, TPOT p99 <= y), per context and concurrency:
 ``1 - best throughput among points meeting it / best throughput of all points``.
@@ -49,7 +50,6 @@ SWEEPS: dict[str, tuple[int | None, ...]] = {
     "vllm": (8192, 16384, None),
 }
 DEFAULT_SYSTEMS = ("sglang", "sarathi", "vllm", "hlserve", *ABLATIONS)
-COLORS = {"sglang": "tab:blue", "sarathi": "tab:orange", "vllm": "tab:green", "hlserve": "tab:red"}
 PRODUCTION_SLO = (2000.0, 100.0)  # TTFT p99 ms, TPOT p99 ms
 STRICT_SLO = (1000.0, 50.0)
 
@@ -266,12 +266,14 @@ def load_points(out: Path) -> list[dict[str, Any]]:
 METRIC = "window_token_throughput"  # tokens served per second in the window (drive.py)
 
 
-def _thr(r: dict[str, Any], metric: str = METRIC) -> float:
+def throughput(r: dict[str, Any], metric: str = METRIC) -> float:
+    """A point's throughput (tokens/s served in the window; 0 when it has none)."""
     v = r["metrics"].get(metric, r["metrics"].get("total_token_throughput", 0.0))
     return 0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
-def _lat(r: dict[str, Any], key: str) -> float:
+def latency(r: dict[str, Any], key: str) -> float:
+    """A point's latency metric ``key`` (ms); inf when it has none."""
     v = r["metrics"].get(key)
     return math.inf if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
@@ -292,10 +294,10 @@ def human_tax(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
     allowed = set(systems) if systems is not None else None
 
     def meets(r: dict[str, Any]) -> bool:
-        return (_lat(r, "p99_ttft_ms") <= ttft_ms and _lat(r, "p99_tpot_ms") <= tpot_ms
+        return (latency(r, "p99_ttft_ms") <= ttft_ms and latency(r, "p99_tpot_ms") <= tpot_ms
                 and (allowed is None or r["point"]["system"] in allowed))
 
-    tax, best_c, best_u = records.human_tax(recs, lambda r: _thr(r, metric), meets)
+    tax, best_c, best_u = records.human_tax(recs, lambda r: throughput(r, metric), meets)
     return (math.nan if tax is None else tax), best_c, best_u
 
 
@@ -310,35 +312,50 @@ def pareto(xs: list[float], ys: list[float]) -> list[int]:
     return front
 
 
-def _family(system: str) -> str:
-    return "hlserve" if system.startswith("hlserve") else system
-
-
 def components(recs: list[dict[str, Any]], metric: str = METRIC) -> dict[str, float]:
     """Throughput mode against each ablation and each preset's default: gain of ours."""
     by = {(r["point"]["system"], r["point"]["knob"]): r for r in recs}
     ours = by.get(("hlserve", None))
     if ours is None:
         return {}
-    base = _thr(ours, metric)
+    base = throughput(ours, metric)
     out: dict[str, float] = {}
     for name in ABLATIONS:
-        if (name, None) in by and _thr(by[(name, None)], metric) > 0:
-            out[name] = base / _thr(by[(name, None)], metric) - 1
+        if (name, None) in by and throughput(by[(name, None)], metric) > 0:
+            out[name] = base / throughput(by[(name, None)], metric) - 1
     for sys_, knob, name in (("sglang", 8192, "vs sglang (C=8192)"),
                              ("sarathi", 512, "vs sarathi (C=B=512)"),
                              ("sarathi", 2048, "vs sarathi-relaxed (C=B=2048)"),
                              ("vllm", 8192, "vs vllm (B=8192)"),
                              ("sglang", None, "vs sglang (unchunked)")):
-        if (sys_, knob) in by and _thr(by[(sys_, knob)], metric) > 0:
-            out[name] = base / _thr(by[(sys_, knob)], metric) - 1
+        if (sys_, knob) in by and throughput(by[(sys_, knob)], metric) > 0:
+            out[name] = base / throughput(by[(sys_, knob)], metric) - 1
     for sys_ in SWEEPS:
         cands = [r for r in recs if r["point"]["system"] == sys_]
         if cands:
-            best = max(_thr(r, metric) for r in cands)
+            best = max(throughput(r, metric) for r in cands)
             if best > 0:
                 out[f"vs best {sys_}"] = base / best - 1
     return out
+
+
+def tax_within_systems(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
+                       ) -> dict[str, float | None]:
+    """Each preset's own human tax: its best configuration meeting the SLO against its own best
+    configuration (not against the best of all systems); None for a system not in ``recs``."""
+    out: dict[str, float | None] = {}
+    for system in SWEEPS:
+        own = [r for r in recs if r["point"]["system"] == system]
+        out[system] = human_tax(own, ttft_ms, tpot_ms)[0] if own else None
+    return out
+
+
+def plots(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> list[Path]:
+    """Every figure of the study from the points (study_plots.py): pooled frontiers, the tax
+    against the TPOT target, the components."""
+    from hlserve.sim.study_plots import plot_components, plot_frontiers, plot_tax
+
+    return [*plot_frontiers(groups, out), plot_tax(groups, out), plot_components(groups, out)]
 
 
 def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, STRICT_SLO)) -> list[Path]:
@@ -348,20 +365,18 @@ def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, S
     if not recs:
         raise FileNotFoundError(f"no study points in {out / 'points'}")
     groups = group(recs)
-    paths = [*plot_frontiers(groups, out), plot_tax(groups, out), plot_components(groups, out)]
+    paths = plots(groups, out)
     summary: dict[str, Any] = {"slos": [], "components": {}}
     for (ctx, n), rs in sorted(groups.items()):
         for ttft, tpot in slos:
             tax, bc, bu = human_tax(rs, ttft, tpot)
-            present = {r["point"]["system"] for r in rs}
-            per_sys = {s: human_tax(rs, ttft, tpot, systems=[s])[0] if s in present else None
-                       for s in SWEEPS}
+            per_sys = tax_within_systems(rs, ttft, tpot)
             summary["slos"].append({
                 "context": ctx, "sessions": n, "ttft_p99_ms": ttft, "tpot_p99_ms": tpot,
                 "tax": tax, "best_constrained": bc["label"] if bc else None,
                 "best_unconstrained": bu["label"] if bu else None,
-                "best_throughput": _thr(bu) if bu else None,
-                "constrained_throughput": _thr(bc) if bc else 0.0, "tax_within_system": per_sys,
+                "best_throughput": throughput(bu) if bu else None,
+                "constrained_throughput": throughput(bc) if bc else 0.0, "tax_within_system": per_sys,
             })
         summary["components"][f"{ctx}/{n}"] = components(rs)
     # the operator's view: the concurrency a node serves is a choice too
@@ -372,10 +387,11 @@ def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, S
             tax, bc, bu = human_tax(rs, ttft, tpot)
             summary["slos_any_concurrency"].append({
                 "context": ctx, "ttft_p99_ms": ttft, "tpot_p99_ms": tpot, "tax": tax,
+                "tax_within_system": tax_within_systems(rs, ttft, tpot),
                 "best_constrained": f"{bc['label']} @ {bc['point']['sessions']} sessions" if bc else None,
                 "best_unconstrained": f"{bu['label']} @ {bu['point']['sessions']} sessions" if bu else None,
-                "constrained_throughput": _thr(bc) if bc else 0.0,
-                "best_throughput": _thr(bu) if bu else None,
+                "constrained_throughput": throughput(bc) if bc else 0.0,
+                "best_throughput": throughput(bu) if bu else None,
             })
     sp = out / "summary.json"
     sp.write_text(json.dumps(summary, indent=1))
@@ -390,21 +406,30 @@ def _pct(x: float | None) -> str:
     return f"{100 * x:.0f}%"
 
 
+WITHIN_HEADER = "tax within sglang / sarathi / vllm (each against its own best)"
+WITHIN_NOTE = ("\"Tax within\" a preset is 1 − its best configuration meeting the SLO / its own "
+               "best configuration, both among that preset's points only.")
+
+
+def _within(s: dict[str, Any]) -> str:
+    return " / ".join(_pct(s.get("tax_within_system", {}).get(k)) for k in SWEEPS)
+
+
 def markdown(groups: dict[tuple[int, int], list[dict[str, Any]]], summary: dict[str, Any]) -> str:
     lines = ["# Study points", ""]
-    lines += ["## Human tax, concurrency chosen freely (per node)", "",
-              "| context | SLO (TTFT p99 / TPOT p99) | tax | best meeting it | best overall |",
-              "|---|---|---|---|---|"]
+    lines += ["## Human tax, concurrency chosen freely (per node)", "", WITHIN_NOTE, "",
+              "| context | SLO (TTFT p99 / TPOT p99) | tax | best meeting it | best overall | "
+              f"{WITHIN_HEADER} |", "|---|---|---|---|---|---|"]
     for s in summary.get("slos_any_concurrency", []):
         lines.append(f"| {s['context']} | {s['ttft_p99_ms']:.0f} ms / {s['tpot_p99_ms']:.0f} ms | "
                      f"{_pct(s['tax'])} | {s['best_constrained'] or 'none'} "
                      f"({s['constrained_throughput']:.0f} tok/s) | {s['best_unconstrained']} "
-                     f"({s['best_throughput']:.0f} tok/s) |")
+                     f"({s['best_throughput']:.0f} tok/s) | {_within(s)} |")
     lines += ["", "## Human tax at a given concurrency", "",
               "| context | sessions | SLO (TTFT p99 / TPOT p99) | tax | best meeting it | best overall | "
-              "tax within sglang / sarathi / vllm |", "|---|---|---|---|---|---|---|"]
+              f"{WITHIN_HEADER} |", "|---|---|---|---|---|---|---|"]
     for s in summary["slos"]:
-        within = " / ".join(_pct(s["tax_within_system"][k]) for k in SWEEPS)
+        within = _within(s)
         lines.append(f"| {s['context']} | {s['sessions']} | {s['ttft_p99_ms']:.0f} ms / "
                      f"{s['tpot_p99_ms']:.0f} ms | {_pct(s['tax'])} | {s['best_constrained'] or 'none'} | "
                      f"{s['best_unconstrained']} | {within} |")
@@ -423,139 +448,13 @@ def markdown(groups: dict[tuple[int, int], list[dict[str, Any]]], summary: dict[
               "TPOT p50 / p99 (ms) | sessions/h | retractions | iterations (mixed) | wall s |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (ctx, n), rs in sorted(groups.items()):
-        for r in sorted(rs, key=lambda r: -_thr(r)):
+        for r in sorted(rs, key=lambda r: -throughput(r)):
             m = r["metrics"]
             trunc = " (cut)" if m.get("truncated") else ""
             lines.append(
-                f"| {ctx} | {n} | {r['label']}{trunc} | {_thr(r):.0f} | {_thr(r, 'window_output_throughput'):.0f} | "
-                f"{_lat(r, 'median_ttft_ms') / 1e3:.2f} / {_lat(r, 'p99_ttft_ms') / 1e3:.2f} | "
-                f"{_lat(r, 'median_tpot_ms'):.0f} / {_lat(r, 'p99_tpot_ms'):.0f} | "
+                f"| {ctx} | {n} | {r['label']}{trunc} | {throughput(r):.0f} | {throughput(r, 'window_output_throughput'):.0f} | "
+                f"{latency(r, 'median_ttft_ms') / 1e3:.2f} / {latency(r, 'p99_ttft_ms') / 1e3:.2f} | "
+                f"{latency(r, 'median_tpot_ms'):.0f} / {latency(r, 'p99_tpot_ms'):.0f} | "
                 f"{m.get('sessions_per_hour', 0):.0f} | {m.get('retractions', 0)} | "
                 f"{m.get('iterations', 0)} ({m.get('mixed_iterations', 0)}) | {m.get('wall_s', 0):.0f} |")
     return "\n".join(lines) + "\n"
-
-
-def plot_frontiers(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for ctx in sorted({c for c, _ in groups}):
-        ns = sorted(n for c, n in groups if c == ctx)
-        fig, axes = plt.subplots(len(ns), 2, figsize=(11, 3.6 * len(ns)), squeeze=False)
-        for row, n in enumerate(ns):
-            rs = groups[(ctx, n)]
-            thr = [_thr(r) for r in rs]
-            for col, (key, name) in enumerate((("p99_ttft_ms", "TTFT p99 (s)"),
-                                               ("p99_tpot_ms", "TPOT p99 (ms)"))):
-                ax = axes[row][col]
-                scale = 1e-3 if key == "p99_ttft_ms" else 1.0
-                xs = [_lat(r, key) * scale for r in rs]
-                for fam in COLORS:
-                    idx = [i for i, r in enumerate(rs) if _family(r["point"]["system"]) == fam]
-                    if idx:
-                        ax.scatter([xs[i] for i in idx], [thr[i] for i in idx], s=22,
-                                   color=COLORS[fam], label=fam, alpha=0.8,
-                                   marker="*" if fam == "hlserve" else "o")
-                front = pareto(xs, thr)
-                ax.plot([xs[i] for i in front], [thr[i] for i in front], "k--", lw=1,
-                        label="Pareto front")
-                ax.scatter([xs[i] for i in front], [thr[i] for i in front], s=70,
-                           facecolors="none", edgecolors="k")
-                for i in front:
-                    ax.annotate(rs[i]["label"].replace("hlserve", "hl"), (xs[i], thr[i]),
-                                fontsize=6, xytext=(3, 3), textcoords="offset points")
-                ax.set_xscale("log")
-                ax.set_xlabel(name)
-                ax.set_ylabel("tokens/s served (prompt + output)")
-                ax.set_title(f"{ctx // 1024}K context, {n} sessions")
-                ax.grid(alpha=0.3)
-                if row == 0 and col == 0:
-                    ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / f"frontier_{ctx // 1024}k.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
-    return paths
-
-
-def plot_tax(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ctxs = sorted({c for c, _ in groups})
-    tpots = [25, 35, 50, 70, 100, 150, 200, 300, 500, 1000, 2000]
-    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 3.8), squeeze=False)
-    for j, ctx in enumerate(ctxs):
-        ax = axes[0][j]
-        every = [r for (c, _), g in groups.items() if c == ctx for r in g]
-        for ttft in (2000.0, math.inf):
-            taxes = [100 * human_tax(every, ttft, t)[0] for t in tpots]
-            ax.plot(tpots, taxes, "k-" if ttft < math.inf else "k:", lw=2, marker="s", ms=3,
-                    label=f"any concurrency, TTFT p99 {'<= 2 s' if ttft < math.inf else 'free'}")
-        for n in sorted(n for c, n in groups if c == ctx):
-            for ttft, style in ((2000.0, "-"), (math.inf, ":")):
-                taxes = [100 * human_tax(groups[(ctx, n)], ttft, t)[0] for t in tpots]
-                ax.plot(tpots, taxes, style, marker="o", ms=3, alpha=0.7,
-                        label=f"{n} sessions, TTFT p99 {'<= 2 s' if ttft < math.inf else 'free'}")
-        ax.set_xscale("log")
-        ax.set_xlabel("TPOT p99 target (ms)")
-        ax.set_ylabel("human tax (% of throughput)")
-        ax.set_ylim(-2, 102)
-        ax.axvline(100, color="grey", lw=0.8)
-        ax.set_title(f"{ctx // 1024}K context")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    p = out / "tax.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
-
-
-COMPONENT_LABELS = {
-    "hlserve-chunked": "greedy prefill\n(vs C=8192)",
-    "hlserve-mix_always": "two-stage\n(vs always mix)",
-    "hlserve-prefill_first": "two-stage\n(vs prefill-first)",
-    "hlserve-ratchet": "EMA budget\n(vs ratchet)",
-    "hlserve-no_budget": "EMA budget\n(vs none)",
-    "hlserve-fcfs": "LPM\n(vs FCFS)",
-    "vs sglang (C=8192)": "vs sglang\nC=8192",
-    "vs sarathi (C=B=512)": "vs sarathi\nC=B=512",
-    "vs sarathi-relaxed (C=B=2048)": "vs sarathi\nC=B=2048",
-}
-
-
-def plot_components(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> Path:
-    """Gain of throughput mode over each one-component ablation and each preset default."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(groups)
-    labels = list(COMPONENT_LABELS)
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(labels)), 4))
-    width = 0.8 / max(1, len(keys))
-    for j, key in enumerate(keys):
-        comp = components(groups[key])
-        vals = [100 * comp.get(k, float("nan")) for k in labels]
-        ax.bar([i + j * width for i in range(len(labels))], vals, width,
-               color=plt.cm.tab20(j % 20), label=f"{key[0] // 1024}K, {key[1]} sessions")
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
-    ax.set_xticklabels([COMPONENT_LABELS[k] for k in labels], fontsize=7)
-    ax.set_ylabel("throughput mode gain (%)")
-    ax.set_yscale("symlog", linthresh=10)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=6, ncol=3)
-    fig.tight_layout()
-    p = out / "components.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p

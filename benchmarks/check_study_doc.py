@@ -1,0 +1,621 @@
+"""Check docs/study.md against its stored points: every number the doc takes from
+docs/study/h20/points (and h20-out1000/points) is recomputed here and compared with the number
+as written.
+
+A claim is a short, unique quote of the doc with ``{}`` where its numbers stand; the quote is
+found in the doc (whitespace folded), the numbers are parsed out of it and compared with the
+recomputed ones within the doc's rounding (half a unit of the last digit written), or as a
+bound rounded the way the doc words it (``floor``: "≥ 142 ms", ``ceil``: "within 8%").
+
+    python benchmarks/check_study_doc.py            # prints the table, exits 1 on a mismatch
+    python benchmarks/check_study_doc.py --replot   # also redraws docs/study/h20/*.png
+
+Not checked here: numbers from other benchmarks (sim_speed, sim_sensitivity, sim_mooncake,
+sim_cost_tables, the other rows of the sim_two_stage table, `hlserve cost` output, the
+calibration table) and from FACTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hlserve.sim.study import components, human_tax, latency, load_points, throughput
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "study.md"
+POINTS = ROOT / "docs" / "study" / "h20"
+OUT1000 = ROOT / "docs" / "study" / "h20-out1000"
+K8, K32, K64 = 8192, 32768, 65536
+PROD, STRICT = (2000.0, 100.0), (1000.0, 50.0)
+INF = math.inf
+FCFS = ("vllm", "sarathi", "hlserve-fcfs")
+Rec = dict[str, Any]
+
+# ---- the points --------------------------------------------------------------------------------
+
+
+@dataclass
+class Study:
+    """The stored points, with the selections the doc's numbers are made of."""
+
+    recs: list[Rec]
+    long_out: list[Rec]  # h20-out1000: mean output 1,000 tokens
+
+    @classmethod
+    def load(cls, points: Path = POINTS, long_out: Path = OUT1000) -> Study:
+        return cls(load_points(points), load_points(long_out))
+
+    def at(self, ctx: int, n: int | None = None, where: Callable[[Rec], bool] | None = None,
+           recs: list[Rec] | None = None) -> list[Rec]:
+        return [r for r in (self.recs if recs is None else recs)
+                if r["point"]["context"] == ctx and (n is None or r["point"]["sessions"] == n)
+                and (where is None or where(r))]
+
+    def one(self, ctx: int, n: int, system: str, knob: int | None = None) -> Rec:
+        (r,) = self.at(ctx, n, lambda r: (r["point"]["system"], r["point"]["knob"]) == (system, knob))
+        return r
+
+    def sessions(self, ctx: int) -> list[int]:
+        return sorted({r["point"]["sessions"] for r in self.at(ctx)})
+
+    def best(self, ctx: int, n: int | None = None, **kw: Any) -> float:
+        """Best throughput (K tok/s)."""
+        return max(throughput(r) for r in self.at(ctx, n, **kw)) / 1e3
+
+    def tax(self, ctx: int, slo: tuple[float, float], n: int | None = None, **kw: Any) -> float:
+        """Human tax (%)."""
+        return 100 * human_tax(self.at(ctx, n, **kw), *slo)[0]
+
+    def met(self, ctx: int, slo: tuple[float, float], n: int | None = None, **kw: Any) -> Rec:
+        """Best point meeting the SLO (KeyError when none does)."""
+        r = human_tax(self.at(ctx, n, **kw), *slo)[1]
+        if r is None:
+            raise KeyError(f"nothing meets {slo} at {ctx}/{n}")
+        return r
+
+    def top(self, ctx: int, n: int | None = None, **kw: Any) -> Rec:
+        best = human_tax(self.at(ctx, n, **kw), INF, INF)[2]
+        assert best is not None
+        return best
+
+    def gain(self, ctx: int, n: int, name: str) -> float:
+        """Throughput mode's gain (%) over an ablation or preset (components' names)."""
+        return 100 * components(self.at(ctx, n))[name]
+
+    def loss(self, r: Rec) -> float:
+        """How far (%) a point is below the best at its context and concurrency."""
+        p = r["point"]
+        return 100 * (1 - throughput(r) / (1e3 * self.best(p["context"], p["sessions"])))
+
+
+def kthr(r: Rec) -> float:
+    return throughput(r) / 1e3
+
+
+def system(*names: str) -> Callable[[Rec], bool]:
+    return lambda r: r["point"]["system"] in names
+
+
+def same(*xs: float) -> float:
+    """The one value ``xs`` round to together (a doc range like "18% at 70–100 ms"), else NaN."""
+    return xs[0] if max(xs) - min(xs) < 0.5 else math.nan
+
+
+def below_overload(r: Rec) -> bool:
+    """Outside 64K at 64+ sessions, where the KV pool is short."""
+    return not (r["point"]["context"] == K64 and r["point"]["sessions"] >= 64)
+
+
+def chunk(r: Rec, lo: int, hi: float) -> bool:
+    """A preset configuration whose chunk (or budget; unlimited counts as inf) is in [lo, hi]."""
+    knob = r["point"]["knob"]
+    return r["point"]["system"] in ("sglang", "sarathi", "vllm") and lo <= (knob or INF) <= hi
+
+
+def tool_mean(ctx: int) -> float:
+    """The mean tool result (tokens) of the study's workload at ``ctx``, from the generator."""
+    from hlserve.workloads import AgentWorkload
+
+    return AgentWorkload.for_context(ctx, 1).tool_output_len.mean
+
+
+# ---- claims -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str
+    quote: str  # doc text, ``{}`` for each number
+    compute: Callable[[Study], Iterable[float]]
+    modes: tuple[str, ...] = ()  # per number: "round" (default), "floor", "ceil"
+
+
+NUM = r"([+−-]?\d[\d,]*(?:\.\d+)?)"
+
+
+def _fold(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _pattern(quote: str) -> re.Pattern[str]:
+    parts = _fold(quote).split("{}")
+    return re.compile(NUM.join(re.escape(p) for p in parts))
+
+
+def parse_number(s: str) -> tuple[float, int]:
+    """The value and the number of decimals written."""
+    s = s.replace("−", "-").replace(",", "")
+    return float(s), len(s.split(".")[1]) if "." in s else 0
+
+
+def agrees(doc: float, decimals: int, value: float, mode: str) -> bool:
+    unit = 10.0 ** -decimals
+    eps = 1e-9 * max(1.0, abs(value))
+    if not math.isfinite(value):
+        return False
+    if mode == "floor":  # the doc writes a lower bound, rounded down
+        return doc - eps <= value < doc + unit + eps
+    if mode == "ceil":  # an upper bound, rounded up
+        return doc - unit - eps < value <= doc + eps
+    return abs(doc - value) <= unit / 2 + eps
+
+
+@dataclass(frozen=True)
+class Result:
+    claim: str
+    in_doc: str
+    from_points: str
+    ok: bool
+
+
+def check_claim(doc: str, claim: Claim, study: Study) -> list[Result]:
+    hits = list(_pattern(claim.quote).finditer(_fold(doc)))
+    if len(hits) != 1:
+        why = "quote not found" if not hits else f"quote found {len(hits)} times"
+        return [Result(claim.name, why, "", False)]
+    try:
+        values = list(claim.compute(study))
+    except (KeyError, ValueError) as e:
+        return [Result(claim.name, "", f"error: {e}", False)]
+    written = hits[0].groups()
+    if len(values) != len(written):
+        return [Result(claim.name, str(len(written)), f"{len(values)} values", False)]
+    out = []
+    for i, (text, value) in enumerate(zip(written, values, strict=True)):
+        doc_v, decimals = parse_number(text)
+        mode = claim.modes[i] if i < len(claim.modes) else "round"
+        name = claim.name if len(values) == 1 else f"{claim.name} [{i + 1}]"
+        shown = f"{value:.{decimals + 2}f}" + ("" if mode == "round" else f" ({mode})")
+        out.append(Result(name, text, shown, agrees(doc_v, decimals, value, mode)))
+    return out
+
+
+def check(doc: str, study: Study, claims: Iterable[Claim] | None = None) -> list[Result]:
+    """Every claim's numbers against the points: one row per number."""
+    return [res for c in (CLAIMS if claims is None else claims) for res in check_claim(doc, c, study)]
+
+
+def n_of(r: Rec) -> int:
+    return r["point"]["sessions"]
+
+
+def named(r: Rec, *prefixes: str) -> Rec:
+    """``r``, checked to be one of the systems the doc names (by prefix)."""
+    if not r["point"]["system"].startswith(prefixes):
+        raise ValueError(f"the point is {r['label']}, not {' / '.join(prefixes)}")
+    return r
+
+
+def pool(s: Study, ctx: int) -> float:
+    """Throughput mode's KV pool at ``ctx`` (tokens)."""
+    return float(s.one(ctx, 16, "hlserve")["kv_pool_tokens"])
+
+
+def span(xs: Iterable[float]) -> tuple[float, float]:
+    xs = list(xs)
+    return min(xs), max(xs)
+
+
+def gains(s: Study, name: str, where: Callable[[Rec], bool] = lambda r: True,
+          ctxs: tuple[int, ...] = (K8, K32, K64)) -> list[float]:
+    """Throughput mode's gain over ``name`` at every (context, sessions) it was run at."""
+    keys = sorted({(r["point"]["context"], n_of(r)) for r in s.recs
+                   if r["point"]["context"] in ctxs and where(r)})
+    out = []
+    for ctx, n in keys:
+        comp = components(s.at(ctx, n))
+        if name in comp:
+            out.append(100 * comp[name])
+    return out
+
+
+def not_overload(r: Rec) -> bool:
+    return (r["point"]["context"], n_of(r)) != (K64, 128)
+
+
+def feasible_sessions(s: Study, ctx: int, slo: tuple[float, float]) -> list[int]:
+    return [n for n in s.sessions(ctx) if s.tax(ctx, slo, n) < 100]
+
+
+def infeasible_from(s: Study, ctx: int, slo: tuple[float, float]) -> int:
+    """The lowest concurrency from which no configuration meets ``slo``."""
+    ok = feasible_sessions(s, ctx, slo)
+    return min(n for n in s.sessions(ctx) if not ok or n > max(ok))
+
+
+def lost(s: Study, where: Callable[[Rec], bool]) -> list[float]:
+    return [s.loss(r) for r in s.recs if where(r)]
+
+
+def identical_to_vllm(s: Study, ctx: int, n: int) -> bool:
+    keys = ("window_token_throughput", "p99_ttft_ms", "p99_tpot_ms", "median_ttft_ms",
+            "iterations", "retractions")
+    a, b = s.one(ctx, n, "hlserve")["metrics"], s.one(ctx, n, "vllm")["metrics"]
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def identical_up_to(s: Study) -> float:
+    """At 64K, the highest concurrency up to which throughput mode equals vllm B=inf
+    (NaN unless it does at every 8K and 32K concurrency)."""
+    if not all(identical_to_vllm(s, c, n) for c in (K8, K32) for n in s.sessions(c)):
+        return math.nan
+    top = 0
+    for n in s.sessions(K64):
+        if not identical_to_vllm(s, K64, n):
+            break
+        top = n
+    return top
+
+
+def within_own(s: Study, ctx: int, slo: tuple[float, float]) -> list[float]:
+    return [s.tax(ctx, slo, where=system(name)) for name in ("sglang", "sarathi", "vllm")]
+
+
+EIGHT = {("sglang", 512), ("sglang", 2048), ("sglang", 8192), ("sarathi", 512),
+         ("sarathi", 2048), ("sarathi", 8192), ("vllm", 8192), ("hlserve", None)}
+
+
+def long_output_row(s: Study, recs: list[Rec], n_at_200ms: bool = False) -> list[float]:
+    """The longer-outputs table's row: taxes at its four SLO pairs (with the concurrency of
+    the best point meeting the first, and the third if asked) and the best throughput at 16
+    and 128 sessions."""
+    kw: dict[str, Any] = {"recs": recs, "where": lambda r: n_of(r) >= 16}
+    relaxed = [s.tax(K32, (2000.0, 200.0), **kw)]
+    relaxed += [n_of(s.met(K32, (2000.0, 200.0), **kw))] if n_at_200ms else []
+    return [s.tax(K32, PROD, **kw), n_of(s.met(K32, PROD, **kw)), s.tax(K32, (INF, 100.0), **kw),
+            *relaxed, s.tax(K32, (INF, 50.0), **kw), s.best(K32, 16, recs=recs),
+            s.best(K32, 128, recs=recs)]
+
+
+def eight_at_200(s: Study) -> list[Rec]:
+    return [r for r in s.at(K32) if (r["point"]["system"], r["point"]["knob"]) in EIGHT]
+
+
+def ttft_s(r: Rec, key: str = "p99_ttft_ms") -> float:
+    return latency(r, key) / 1e3
+
+
+def tax_row(s: Study, ctx: int, slo: tuple[float, float], knob: bool = False,
+            prefixes: tuple[str, ...] = ("hlserve",)) -> list[float]:
+    """A row of section 1's table: tax, [C of] the best point meeting the SLO, its concurrency
+    and throughput, and the best point's concurrency and throughput."""
+    out = [s.tax(ctx, slo)]
+    if s.tax(ctx, slo) < 100:
+        met = named(s.met(ctx, slo), *prefixes)
+        out += [met["point"]["knob"]] if knob else []
+        out += [n_of(met), kthr(met)]
+    return [*out, n_of(s.top(ctx)), kthr(s.top(ctx))]
+
+
+COMPONENT_COLUMNS = ("hlserve-chunked", "hlserve-mix_always", "hlserve-prefill_first",
+                     "hlserve-ratchet", "hlserve-no_budget", "hlserve-fcfs", "vs sglang (C=8192)",
+                     "vs sarathi (C=B=512)", "vs best sarathi")
+
+
+def component_claims() -> list[Claim]:
+    """Section 3's table, row by row."""
+    out = []
+    for ctx, n, note in ((K8, 16, ""), (K8, 64, ""), (K8, 128, ""), (K32, 16, ""), (K32, 64, ""),
+                         (K32, 128, ""), (K64, 16, ""), (K64, 64, ""), (K64, 128, " (overload)")):
+        cells = " | ".join(["{}%"] * len(COMPONENT_COLUMNS))
+        out.append(Claim(f"components {ctx // 1024}K/{n}", f"| {ctx // 1024}K / {n}{note} | {cells} |",
+                         lambda s, c=ctx, k=n: [s.gain(c, k, col) for col in COMPONENT_COLUMNS]))
+    for ctx, note in ((K8, " (no ablations run)"), (K32, ""), (K64, "")):
+        out.append(Claim(f"components {ctx // 1024}K/32", f"| {ctx // 1024}K / 32{note} | | | | | | | "
+                         "{}% | {}% | {}% |",
+                         lambda s, c=ctx: [s.gain(c, 32, col) for col in COMPONENT_COLUMNS[-3:]]))
+    return out
+
+
+def wall_times(s: Study) -> list[float]:
+    return sorted(r["metrics"]["wall_s"] for r in s.recs)
+
+
+RATCHET = system("hlserve-ratchet")
+
+
+def ratchet_collapsed(r: Rec) -> bool:
+    """The ratchet points whose budget collapsed: all but 8K/16."""
+    return RATCHET(r) and (r["point"]["context"], n_of(r)) != (K8, 16)
+
+
+def small(r: Rec) -> bool:
+    """Sarathi's C = B <= 512 and the ratchet ablation: the doc's exceptions at 32K."""
+    return (system("sarathi")(r) and chunk(r, 0, 512)) or RATCHET(r)
+
+
+def misses_at_16(s: Study) -> list[float]:
+    """The TTFT p99 range (s) of the points missing the production pair at 32K/16, checked to
+    be exactly the doc's exceptions."""
+    misses = s.at(K32, 16, lambda r: not (latency(r, "p99_ttft_ms") <= PROD[0]
+                                          and latency(r, "p99_tpot_ms") <= PROD[1]))
+    if {r["label"] for r in misses} != {r["label"] for r in s.at(K32, 16, small)}:
+        raise ValueError(f"the points missing it are {sorted(r['label'] for r in misses)}")
+    return list(span(ttft_s(r) for r in misses))
+
+
+def long_output_200(s: Study) -> list[float]:
+    return long_output_row(s, eight_at_200(s), n_at_200ms=True)
+
+
+CLAIMS: list[Claim] = [
+    # the introduction and "the answers in brief"
+    Claim("points and their window", "`docs/study/h20/`: {} points of {} simulated minutes each",
+          lambda s: [len(s.recs), same(*{r["metrics"]["window_s"] / 60 for r in s.recs})]),
+    Claim("32K: tax, best meeting it, best", "**32K: {}%.** The best configuration meeting the SLOs "
+          "is {} sessions at {}K tok/s. The best without SLOs is {} sessions at {}K tok/s.",
+          lambda s: tax_row(s, K32, PROD)),
+    Claim("64K: nothing meets TTFT 2 s", "**64K: {}%.** No configuration at any concurrency from {} "
+          "to {} sessions meets TTFT p99 ≤ 2 s.",
+          lambda s: [s.tax(K64, (2000.0, INF)), min(s.sessions(K64)), max(s.sessions(K64))]),
+    Claim("TTFT free taxes", "With TTFT free and TPOT p99 ≤ 100 ms, the tax is {}% (32K) and {}% (64K).",
+          lambda s: [s.tax(K32, (INF, 100.0)), s.tax(K64, (INF, 100.0))]),
+    Claim("strict pair", "is met by nothing at 32K or 64K (tax {}%). At 8K its tax is {}%.",
+          lambda s: [min(s.tax(K32, STRICT), s.tax(K64, STRICT)), s.tax(K8, STRICT)]),
+    Claim("growth with context (production)", "- 8K: {}%; 32K: {}%; 64K: {}% at the production pair.",
+          lambda s: [s.tax(c, PROD) for c in (K8, K32, K64)]),
+    Claim("growth with context (TTFT free)", "- 8K: {}%; 32K: {}%; 64K: {}% with TTFT free and TPOT",
+          lambda s: [s.tax(c, (INF, 100.0)) for c in (K8, K32, K64)]),
+    Claim("chunks >= 1K: largest loss", "chunks of 1K and more are within {}% of the best",
+          lambda s: [max(lost(s, lambda r: chunk(r, 1024, INF) and below_overload(r)))], ("ceil",)),
+    Claim("sarathi C=B=512 losses", "Sarathi's C = B = 512 loses {}–{}% up to 16 sessions and up to "
+          "{}% at 32–128 sessions",
+          lambda s: [*span(lost(s, lambda r: chunk(r, 512, 512) and system("sarathi")(r)
+                                and n_of(r) <= 16)),
+                     max(lost(s, lambda r: chunk(r, 512, 512) and system("sarathi")(r)
+                              and n_of(r) >= 32 and below_overload(r)))]),
+    Claim("smaller chunks and the ratchet", "SGLang's C = 512 and the ratchet budget lose up to {}%",
+          lambda s: [max(lost(s, lambda r: below_overload(r) and (
+              chunk(r, 0, 256) or (chunk(r, 0, 512) and system("sglang")(r)) or RATCHET(r))))]),
+    Claim("feasible concurrency", "(32K: up to {} sessions)",
+          lambda s: [max(feasible_sessions(s, K32, PROD))]),
+    Claim("infeasible concurrency", "(32K: {} sessions; 64K: {} sessions, TTFT-bound)",
+          lambda s: [infeasible_from(s, K32, PROD), infeasible_from(s, K64, PROD)]),
+    Claim("throughput of extra sessions", "8 → 128 sessions at 32K adds {}%, at 64K (4 → 64) {}%.",
+          lambda s: [100 * (s.best(K32, 128) / s.best(K32, 8) - 1),
+                     100 * (s.best(K64, 64) / s.best(K64, 4) - 1)]),
+    Claim("vs sglang C=8192", "(C = 8192): +{}% to +{}% at 32K, and {}% to +{}% at 64K up to 64 "
+          "sessions.",
+          lambda s: [*span(gains(s, "vs sglang (C=8192)", ctxs=(K32,))),
+                     *span(gains(s, "vs sglang (C=8192)", not_overload, (K64,)))]),
+    Claim("vs sarathi C=B=512", "(C = B = 512): +{}% (8K) to +{}% (32K, 128 sessions).",
+          lambda s: [min(gains(s, "vs sarathi (C=B=512)", not_overload)),
+                     s.gain(K32, 128, "vs sarathi (C=B=512)")]),
+    Claim("vs best sarathi", "which is greedy enough to be the same policy): within ±{}%.",
+          lambda s: [max(abs(g) for g in gains(s, "vs best sarathi", not_overload))]),
+    Claim("overload", "{}× at full context) it is {}% behind `sglang` and {}× ahead of the FCFS",
+          lambda s: [128 * K64 / pool(s, K64), -s.gain(K64, 128, "vs sglang (C=8192)"),
+                     kthr(s.one(K64, 128, "hlserve")) / s.best(K64, 128, where=system(*FCFS[:2]))]),
+    Claim("mixing over prefill-first", "prefill-first policy does not do: +{}% to +{}%.",
+          lambda s: list(span(gains(s, "hlserve-prefill_first", not_overload)))),
+    # section 1
+    Claim("table: 8K production", "| 8K | 2 s / 100 ms | **{}%** | throughput mode, {} sessions, "
+          "{}K tok/s | the same |", lambda s: tax_row(s, K8, PROD)[:3]),
+    Claim("table: 8K strict", "| 8K | 1 s / 50 ms | **{}%** | sarathi C=B={}, {} sessions, {}K | "
+          "{} sessions, {}K |", lambda s: tax_row(s, K8, STRICT, True, ("sarathi",))),
+    Claim("table: 32K production", "| 32K | 2 s / 100 ms | **{}%** | throughput mode (any variant), "
+          "{} sessions, {}K | {} sessions, {}K |", lambda s: tax_row(s, K32, PROD)),
+    Claim("table: 32K strict", "| 32K | 1 s / 50 ms | **{}%** | none | {} sessions, {}K |",
+          lambda s: tax_row(s, K32, STRICT)),
+    Claim("table: 32K TTFT free", "| 32K | TTFT free / 100 ms | {}% | sarathi C=B={}, {} sessions, "
+          "{}K | {} sessions, {}K |", lambda s: tax_row(s, K32, (INF, 100.0), True, ("sarathi",))),
+    Claim("table: 64K production", "| 64K | 2 s / 100 ms | **{}%** | none (TTFT p99 ≥ {} s "
+          "everywhere) | {} sessions, {}K |",
+          lambda s: [s.tax(K64, PROD), min(ttft_s(r) for r in s.at(K64)),
+                     *tax_row(s, K64, PROD)[1:]], ("round", "floor")),
+    Claim("table: 64K strict", "| 64K | 1 s / 50 ms | **{}%** | none | {} sessions, {}K |",
+          lambda s: tax_row(s, K64, STRICT)),
+    Claim("table: 64K TTFT free", "| 64K | TTFT free / 100 ms | {}% | throughput mode with the "
+          "ratchet budget, {} sessions, {}K | {} sessions, {}K |",
+          lambda s: tax_row(s, K64, (INF, 100.0), prefixes=("hlserve-ratchet",))),
+    Claim("table: 64K 5 s", "| 64K | 5 s / 100 ms | {}% | throughput mode, {} sessions, {}K | "
+          "{} sessions, {}K |", lambda s: tax_row(s, K64, (5000.0, 100.0))),
+    Claim("tax curve at 32K", "At 32K the curve falls from {}% at 25 ms, through {}% at 35 ms, {}% "
+          "at 50 ms, {}% at 70–100 ms and {}% at 150–200 ms ({} sessions meet those), to {}% at "
+          "500 ms. With TTFT free, it falls faster: {}% at 50 ms, {}% at 100 ms, {} from 300 ms.",
+          lambda s: [s.tax(K32, (2000.0, 25.0)), s.tax(K32, (2000.0, 35.0)),
+                     s.tax(K32, (2000.0, 50.0)),
+                     same(s.tax(K32, (2000.0, 70.0)), s.tax(K32, PROD)),
+                     same(s.tax(K32, (2000.0, 150.0)), s.tax(K32, (2000.0, 200.0))),
+                     same(n_of(s.met(K32, (2000.0, 150.0))), n_of(s.met(K32, (2000.0, 200.0)))),
+                     s.tax(K32, (2000.0, 500.0)), s.tax(K32, (INF, 50.0)), s.tax(K32, (INF, 100.0)),
+                     max(s.tax(K32, (INF, t)) for t in (300.0, 500.0, 1000.0, 2000.0))]),
+    Claim("64K alone", "Even alone on the machine (4 sessions: TTFT p99 {} s)",
+          lambda s: [ttft_s(s.one(K64, 4, "hlserve"))]),
+    # section 2
+    Claim("best at each concurrency, 8K", "| 8K | | | {}K | {}K | {}K | {}K |",
+          lambda s: [s.best(K8, n) for n in (16, 32, 64, 128)]),
+    Claim("best at each concurrency, 32K", "| 32K | {}K | {}K | {}K | {}K | {}K | {}K |",
+          lambda s: [s.best(K32, n) for n in (4, 8, 16, 32, 64, 128)]),
+    Claim("best at each concurrency, 64K", "| 64K | {}K | {}K | {}K | {}K | {}K | {}K (thrashing) |",
+          lambda s: [s.best(K64, n) for n in (4, 8, 16, 32, 64, 128)]),
+    Claim("32K/64: TPOT and the exceptions' TTFT", "64 sessions: TPOT p99 ≥ {} ms for every "
+          "configuration except Sarathi's C = B ≤ 512 and the ratchet ablation, and those have "
+          "TTFT p99 ≥ {} s",
+          lambda s: [min(latency(r, "p99_tpot_ms") for r in s.at(K32, 64, lambda r: not small(r))),
+                     min(ttft_s(r) for r in s.at(K32, 64, small))], ("floor", "floor")),
+    Claim("32K/32: TPOT and the exceptions' TTFT", "32 sessions: TPOT p99 ≥ {} ms for every "
+          "configuration except Sarathi's C = B ≤ 512, whose TTFT p99 is {} s and {} s",
+          lambda s: [min(latency(r, "p99_tpot_ms") for r in s.at(K32, 32, lambda r: not small(r))),
+                     ttft_s(s.one(K32, 32, "sarathi", 512)), ttft_s(s.one(K32, 32, "sarathi", 256))],
+          ("floor",)),
+    Claim("32K/16: who misses", "16 sessions: every configuration meets the pair except Sarathi's "
+          "C = B ≤ 512 and the ratchet ablation (TTFT p99 {}–{} s).", lambda s: misses_at_16(s)),
+    Claim("32K: extra sessions' throughput", "moderate at 32K (+{}%)",
+          lambda s: [100 * (s.best(K32, 128) / s.best(K32, 16) - 1)]),
+    Claim("tool results 64K / 8K (the workload generator)", "the mean tool result is about {}× "
+          "larger at 64K than at 8K ({} against {} tokens",
+          lambda s: [tool_mean(K64) / tool_mean(K8), tool_mean(K64), tool_mean(K8)]),
+    Claim("overload: pool and full context", "128 sessions need about twice the KV pool ({}M tokens) "
+          "on average, and {}× at their full context.",
+          lambda s: [pool(s, K64) / 1e6, 128 * K64 / pool(s, K64)]),
+    Claim("overload: best drops", "the best drops from {}K to {}K.",
+          lambda s: [s.best(K64, 64), s.best(K64, 128)]),
+    Claim("overload: FCFS thrash", "The FCFS systems (vLLM, Sarathi) thrash: {}–{}K tok/s, TTFT p99 "
+          "{}–{} minutes.",
+          lambda s: [*span(kthr(r) for r in s.at(K64, 128, system("vllm", "sarathi"))),
+                     *span(ttft_s(r) / 60 for r in s.at(K64, 128, system("vllm", "sarathi")))]),
+    Claim("overload: LPM systems", "The LPM systems keep {}–{}K tok/s",
+          lambda s: list(span(kthr(r) for r in s.at(K64, 128, lambda r: not system(*FCFS)(r))))),
+    Claim("longer outputs: 200 tokens", "| 200 tokens | {}% ({} sessions) | {}% | {}% ({} sessions) "
+          "| {}% | {}K → {}K tok/s |", lambda s: long_output_200(s)),
+    Claim("longer outputs: 1,000 tokens", "| 1,000 tokens | **{}%** ({} sessions) | {}% | {}% | {}% "
+          "| {}K → {}K tok/s |", lambda s: long_output_row(s, s.long_out)),
+    Claim("longer outputs: lowest TPOT at 128", "(At 128 sessions the lowest TPOT p99 is {} ms",
+          lambda s: [min(latency(r, "p99_tpot_ms") for r in s.long_out if n_of(r) == 128)]),
+    # section 3
+    *component_claims(),
+    Claim("throughput mode = vllm B=inf", "At 8K and 32K at every concurrency, and at 64K up to {} "
+          "sessions, its metrics are identical to `vllm B=inf`", lambda s: [identical_up_to(s)]),
+    Claim("64K/64: pool, LPM, vllm B=inf", "passes the pool's {}M tokens, and LPM keeps {}% more "
+          "throughput than FCFS: `vllm B=inf` falls to {}K.)",
+          lambda s: [pool(s, K64) / 1e6, 100 * (kthr(s.one(K64, 64, "hlserve"))
+                                                / kthr(s.one(K64, 64, "vllm")) - 1),
+                     kthr(s.one(K64, 64, "vllm"))]),
+    Claim("mixing gain by context", "Decodes share prefill iterations instead of waiting for them: "
+          "+{}–{}% at 8K, +{}–{}% at 32K, +{}–{}% at 64K.",
+          lambda s: [v for c in (K8, K32, K64)
+                     for v in span(gains(s, "hlserve-prefill_first", not_overload, (c,)))]),
+    Claim("two-stage against prefill-first", "two-stage mixing gains +{}% to +{}% below overload, "
+          "and loses {}% in overload.",
+          lambda s: [*span(gains(s, "hlserve-prefill_first", not_overload)),
+                     -s.gain(K64, 128, "hlserve-prefill_first")]),
+    Claim("prefill-first against always-mix in overload", "In overload prefill-first ({}K tok/s) "
+          "comes within {}% of always-mix ({}K), and stage 2 is behind both.",
+          lambda s: [kthr(s.one(K64, 128, "hlserve-prefill_first")),
+                     100 * (1 - kthr(s.one(K64, 128, "hlserve-prefill_first"))
+                            / kthr(s.one(K64, 128, "hlserve-mix_always"))),
+                     kthr(s.one(K64, 128, "hlserve-mix_always"))], ("round", "ceil")),
+    Claim("greedy prefill in overload", "In overload it gains {}%:",
+          lambda s: [s.gain(K64, 128, "hlserve-chunked")]),
+    Claim("stage 2 in overload", "a long time at a median {} ms per token. The GPU meanwhile runs "
+          "memory-bound decode batches with idle compute: TTFT p50 {} s against {} s for "
+          "always-mix, and {}% less throughput.",
+          lambda s: [latency(s.one(K64, 128, "hlserve"), "median_tpot_ms"),
+                     ttft_s(s.one(K64, 128, "hlserve"), "median_ttft_ms"),
+                     ttft_s(s.one(K64, 128, "hlserve-mix_always"), "median_ttft_ms"),
+                     -s.gain(K64, 128, "hlserve-mix_always")]),
+    Claim("two-stage table: default", "| 0.90 / 0.70 (default) | {} | {} (TTFT p50 {} s) |",
+          lambda s: [throughput(s.one(K64, 64, "hlserve")), throughput(s.one(K64, 128, "hlserve")),
+                     ttft_s(s.one(K64, 128, "hlserve"), "median_ttft_ms")]),
+    Claim("two-stage table: always mix", "| always mix | {} | **{}** ({} s) |",
+          lambda s: [throughput(s.one(K64, 64, "hlserve-mix_always")),
+                     throughput(s.one(K64, 128, "hlserve-mix_always")),
+                     ttft_s(s.one(K64, 128, "hlserve-mix_always"), "median_ttft_ms")]),
+    Claim("ratchet: collapsed budget", "TPOT p99 falls to {}–{} ms, TTFT p99 reaches {}–{} s, and "
+          "throughput mode is up to {}% ahead of it at 32K ({}% at 8K/128)",
+          lambda s: [*span(latency(r, "p99_tpot_ms") for r in s.recs if ratchet_collapsed(r)),
+                     *span(ttft_s(r) for r in s.recs if ratchet_collapsed(r)),
+                     max(gains(s, "hlserve-ratchet", ctxs=(K32,))),
+                     s.gain(K8, 128, "hlserve-ratchet")]),
+    Claim("ratchet in overload", "(−{}% for EMA)", lambda s: [-s.gain(K64, 128, "hlserve-ratchet")]),
+    Claim("LPM", "**LPM is worth {}% at 64K/64 and {}× at 64K/128.**",
+          lambda s: [s.gain(K64, 64, "hlserve-fcfs"), 1 + s.gain(K64, 128, "hlserve-fcfs") / 100]),
+    # section 4
+    Claim("beside the published: taxes", "| {}% at 32K, {}% at 64K (TTFT-infeasible); with TTFT "
+          "free, {}% / {}%;",
+          lambda s: [s.tax(K32, PROD), s.tax(K64, PROD), s.tax(K32, (INF, 100.0)),
+                     s.tax(K64, (INF, 100.0))]),
+    Claim("beside the published: extra sessions", "the throughput of extra sessions is small: 16 → "
+          "128 sessions adds {}%.", lambda s: [100 * (s.best(K32, 128) / s.best(K32, 16) - 1)]),
+    Claim("prompt share at 32K", "this workload is {}% prompt tokens",
+          lambda s: [100 * (1 - sum(throughput(r, "window_output_throughput") for r in s.at(K32))
+                            / sum(throughput(r) for r in s.at(K32)))]),
+    Claim("tax within each preset at 32K", "within each system it is {}% / {}% / {}% (sglang / "
+          "sarathi / vllm) at 32K under the production pair", lambda s: within_own(s, K32, PROD)),
+    Claim("beside the published: presets", "| +{}% to +{}% over `sglang` (C = 8192) at 32K; {}% to "
+          "+{}% at 64K; within ±{}% of the best `sarathi`, +{}–{}% over its strict default |",
+          lambda s: [*span(gains(s, "vs sglang (C=8192)", ctxs=(K32,))),
+                     *span(gains(s, "vs sglang (C=8192)", not_overload, (K64,))),
+                     max(abs(g) for g in gains(s, "vs best sarathi", not_overload)),
+                     min(gains(s, "vs sarathi (C=B=512)", not_overload)),
+                     s.gain(K32, 128, "vs sarathi (C=B=512)")]),
+    Claim("beside the published: greedy prefill", "| {}% / {}% (64 sessions); +{}% only in overload |",
+          lambda s: [s.gain(K32, 64, "hlserve-chunked"), s.gain(K64, 64, "hlserve-chunked"),
+                     s.gain(K64, 128, "hlserve-chunked")]),
+    Claim("beside the published: two-stage", "| {}% / {}% against always mixing and +{}% / +{}% "
+          "against prefill-first (64 sessions); {}% and {}% in overload |",
+          lambda s: [s.gain(K32, 64, "hlserve-mix_always"), s.gain(K64, 64, "hlserve-mix_always"),
+                     s.gain(K32, 64, "hlserve-prefill_first"),
+                     s.gain(K64, 64, "hlserve-prefill_first"),
+                     s.gain(K64, 128, "hlserve-mix_always"),
+                     s.gain(K64, 128, "hlserve-prefill_first")]),
+    Claim("beside the published: the pool at 32K", "holds {}M tokens at 32K: {} full 32K sessions",
+          lambda s: [pool(s, K32) / 1e6, pool(s, K32) / K32], ("round", "floor")),
+    # section 5 and how the numbers were made
+    Claim("wall time per point", "The {} stored points record {}–{} s of wall time each (median {} s)",
+          lambda s: [len(wall_times(s)), min(wall_times(s)), max(wall_times(s)),
+                     statistics.median(wall_times(s))], ("round", "floor")),
+    Claim("KV pool", "that is {} M tokens in throughput mode at 64K and {} M with 512-token "
+          "chunks: {} sessions at a 32K average context, or {} at full 64K.",
+          lambda s: [pool(s, K64) / 1e6, s.one(K32, 16, "sarathi", 512)["kv_pool_tokens"] / 1e6,
+                     pool(s, K64) / K32, pool(s, K64) / K64], ("round", "round", "floor", "floor")),
+    Claim("main sweep points", "# the main sweep: {} points",
+          lambda s: [sum(n_of(r) in (16, 64, 128) for r in s.recs)]),
+    Claim("lower concurrency points", "lower and intermediate concurrency for the presets and "
+          "throughput mode: {} points", lambda s: [sum(n_of(r) in (4, 8, 32) for r in s.recs)]),
+]
+
+
+def table(results: list[Result]) -> str:
+    w = max(len(r.claim) for r in results)
+    lines = [f"{'claim':<{w}}  {'in doc':>16}  {'from points':>22}  OK"]
+    lines += [f"{r.claim:<{w}}  {r.in_doc:>16}  {r.from_points:>22}  {'ok' if r.ok else 'NO'}"
+              for r in results]
+    bad = sum(not r.ok for r in results)
+    lines.append(f"{len(results)} numbers, {bad} mismatched")
+    return "\n".join(lines)
+
+
+def replot(points: Path = POINTS) -> list[Path]:
+    """Redraw the study's figures from the stored points (no simulation)."""
+    from hlserve.sim.study import group, plots
+
+    return plots(group(load_points(points)), points)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--doc", type=Path, default=DOC)
+    ap.add_argument("--points", type=Path, default=POINTS)
+    ap.add_argument("--long-output-points", type=Path, default=OUT1000)
+    ap.add_argument("--replot", action="store_true", help="redraw the figures in --points")
+    args = ap.parse_args(argv)
+    if args.replot:
+        for p in replot(args.points):
+            print(f"wrote {p}")
+    results = check(args.doc.read_text(), Study.load(args.points, args.long_output_points))
+    print(table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
