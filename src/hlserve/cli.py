@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from hlserve.engine.args import add_engine_args, engine_options
-from hlserve.errors import CLI_ERRORS
+from hlserve.errors import run_command
 from hlserve.models.default_model import default_model
 
 
@@ -131,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        args.func(args)
-    except CLI_ERRORS as e:
-        print(f"hlserve: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
 """Errors that callers are meant to catch: each names the problem in words a user can act on."""
 
+from __future__ import annotations
+
+import sys
+from typing import Any
+
 
 class HLServeError(Exception):
     """Base of every error hlserve raises on purpose."""
@@ -33,3 +38,14 @@ class ServiceUnavailableError(HLServeError):
 
 # what a command line reports as "error: ..." with exit status 2, not as a traceback
 CLI_ERRORS: tuple[type[Exception], ...] = (HLServeError, ValueError, TypeError, FileNotFoundError)
+
+
+def run_command(args: Any) -> int:
+    """Run a parsed subcommand (``args.func(args)``) as both CLIs do: 0 on success; one of
+    ``CLI_ERRORS`` printed as ``hlserve: error: ...`` with exit status 2, not a traceback."""
+    try:
+        args.func(args)
+    except CLI_ERRORS as e:
+        print(f"hlserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0

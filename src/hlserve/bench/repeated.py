@@ -34,9 +34,9 @@ def _stem(path: str | Path) -> str:
 def _sweep_run(sw: Any, base: dict[str, Any], env: dict[str, str] | None, point: Any,
                seed: int) -> dict[str, Any]:
     """One repeat of one point (module-level, so that it pickles into a Ray task)."""
-    from hlserve.bench.sweep import _slug, run_inprocess_point, run_server_point
+    from hlserve.bench.sweep import run_inprocess_point, run_server_point, slug
 
-    path = sw.out_dir / "points" / f"{_slug(point.label)}.seed{seed}.json"
+    path = sw.out_dir / "points" / f"{slug(point.label)}.seed{seed}.json"
     spec = replace(sw.bench, label=point.label, result_file=str(path), seed=seed,
                    progress=sw.bench.progress and sw.ray is None)
     t = time.perf_counter()
@@ -62,14 +62,14 @@ def _executor(sw: Any, base: dict[str, Any]) -> Any:
 
 
 def _log_run(sw: Any, log: Any, r: Run[Any], res: dict[str, Any] | BaseException) -> None:
-    from hlserve.bench.sweep import _slug
+    from hlserve.bench.sweep import slug
 
     tag = "warm-up, excluded" if r.warmup else f"repeat {r.repeat + 1}/{sw.repeats}"
     if isinstance(res, BaseException):
         log(f"    point {r.name} ({tag}, seed {r.seed}) failed: {type(res).__name__}: {res}")
         return
     if sw.server_cmd is None and not r.warmup:  # a server point's run_bench wrote its own
-        path = sw.out_dir / "points" / f"{_slug(r.name)}.seed{r.seed}.json"
+        path = sw.out_dir / "points" / f"{slug(r.name)}.seed{r.seed}.json"
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     if res.get("completed"):
         log(f"    {r.name} ({tag}, seed {r.seed}): {res[THROUGHPUT]:.0f} tok/s total; p99 TTFT "
@@ -82,7 +82,7 @@ def run_points_repeated(sw: Any, base: dict[str, Any], env: dict[str, str] | Non
     """Every point of the sweep ``sw.repeats`` times (interleaved, locally or on Ray); returns
     the sweep's point list (each result the repeats' summary, with ``*_ci95``) and the ratio
     of every point's throughput to the best point's."""
-    from hlserve.bench.sweep import _slug
+    from hlserve.bench.sweep import slug
 
     plan = RepeatPlan(repeats=sw.repeats, base_seed=sw.bench.seed,
                       warmup=0 if sw.sim or sw.ray is not None else 1)
@@ -105,7 +105,7 @@ def run_points_repeated(sw: Any, base: dict[str, Any], env: dict[str, str] | Non
                    "repeats": 0}
         elif errs:
             res["repeat_errors"] = errs
-        (sw.out_dir / "points" / f"{_slug(p.label)}.json").write_text(
+        (sw.out_dir / "points" / f"{slug(p.label)}.json").write_text(
             json.dumps(res, indent=2, default=str) + "\n")
         results.append({"label": p.label, "knobs": p.knobs, "args": p.args, "result": res})
     ok = [p for p in results if p["result"].get("completed")]

@@ -188,7 +188,7 @@ def run_server_point(template: str, model: str, point: Point, spec: BenchSpec, o
     host = "127.0.0.1"
     port = free_port(host)
     cmd = server_command(template, point, model, host, port, unlimited_value)
-    log = out_dir / "points" / f"{_slug(point.label)}.server.log"
+    log = out_dir / "points" / f"{slug(point.label)}.server.log"
     with ExternalServer(cmd, host, port, log, env, health_timeout) as srv:
         res = run_bench(replace(spec, base_url=srv.url))
     res["server_command"] = shlex.join(cmd)
@@ -219,7 +219,8 @@ class SweepSpec:
     ray: str | None = None  # run the points as Ray tasks: "local" or a cluster's address
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
+    """A point's label as a file name (its result, requests and server log are named by it)."""
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
 
 
@@ -268,7 +269,7 @@ def _run_points(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None,
     results: list[dict[str, Any]] = []
     for i, point in enumerate(sw.points):
         log(f"[{i + 1}/{len(sw.points)}] {point.label} {point.knobs} {shlex.join(point.args)}")
-        path = out / "points" / f"{_slug(point.label)}.json"
+        path = out / "points" / f"{slug(point.label)}.json"
         spec = replace(sw.bench, label=point.label, result_file=str(path))
         t = time.perf_counter()
         try:

@@ -214,17 +214,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hlserve.sim.cli cost ...`` runs as ``hlserve cost ...`` does (the same
     subcommands, the same error handling), without importing the top-level CLI."""
-    from hlserve.errors import CLI_ERRORS
+    from hlserve.errors import run_command
 
     parser = argparse.ArgumentParser(prog="hlserve", description=__doc__)
     add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except CLI_ERRORS as e:
-        print(f"hlserve: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
