@@ -144,8 +144,9 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
-def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
-                kv_gib: int, threads: int = 2, plugin: bool = False) -> ExternalServer:
+def vllm_env(py: Path, kv_gib: int, threads: int = 2) -> dict[str, str]:
+    """vLLM's CPU runtime as PEERS.md runs it: KV space, threads bound one per core, tcmalloc
+    and iomp preloaded where present (also used by vllm_sweep.py)."""
     bind = "0" if threads == 1 else f"0-{threads - 1}"
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_CPU_OMP_THREADS_BIND": bind}
@@ -153,6 +154,12 @@ def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
                if p and Path(p).exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
+                kv_gib: int, threads: int = 2, plugin: bool = False) -> ExternalServer:
+    env = vllm_env(py, kv_gib, threads)
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
            "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--dtype", "bfloat16",
            "--max-model-len", str(max_len)]

@@ -33,17 +33,12 @@ from run_peers import (
     ensure_model,
     ensure_plugin,
     ensure_vllm,
-    find_tcmalloc,
+    vllm_env,
 )
 
 
 def server_template(py: Path, max_len: int, kv_gib: int) -> str:
-    env = ["VLLM_CPU_KVCACHE_SPACE=" + str(kv_gib), "VLLM_HOST_IP=127.0.0.1",
-           "VLLM_CPU_OMP_THREADS_BIND=0-1"]
-    preload = [p for p in (find_tcmalloc(True), str(py.parent.parent / "lib" / "libiomp5.so"))
-               if p and Path(p).exists()]
-    if preload:
-        env.append("LD_PRELOAD=" + ":".join(preload))
+    env = [f"{k}={v}" for k, v in vllm_env(py, kv_gib).items()]
     return (f"env {shlex.join(env)} {shlex.quote(str(py))} -m vllm.entrypoints.openai.api_server "
             "--model {model} --host {host} --port {port} --served-model-name m "
             f"--dtype bfloat16 --max-model-len {max_len} "
