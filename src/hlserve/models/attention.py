@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hlserve.models.cpu_kernels import decode_op
+from hlserve.models.cpu_kernels import decode_op, prefill_op
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class Segment:
     # its pages in AttentionMetadata.context_pages: [page_lo, page_hi); empty for a fresh prompt
     page_lo: int = 0
     page_hi: int = 0
+    batched: bool = False  # attended by a call over the whole batch (padded or a CPU kernel)
 
     @property
     def num_new(self) -> int:
@@ -78,6 +79,17 @@ class PagedDecodes:
 
 
 @dataclass(slots=True)
+class PagedPrefills:
+    """Every prompt chunk of the batch read in place by the CPU prefill kernel."""
+
+    pages: torch.Tensor  # [N] the C chunks' page tables, concatenated
+    page_lo: torch.Tensor  # [C] where chunk c's table starts in ``pages``
+    starts: torch.Tensor  # [C] its first token in the flat batch
+    num_new: torch.Tensor  # [C] its new tokens
+    context: torch.Tensor  # [C] tokens cached before it
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot (page * page_size + offset) of every new token
     segments: list[Segment]
@@ -85,11 +97,7 @@ class AttentionMetadata:
     context_pages: torch.Tensor | None = None
     padded_decodes: PaddedDecodes | None = None  # set: decodes run batched (see module doc)
     paged_decodes: PagedDecodes | None = None  # set: decodes run in the CPU kernel
-
-    @property
-    def decodes_batched(self) -> bool:
-        """The decodes run in one call (not per segment): padded, or in the CPU kernel."""
-        return self.padded_decodes is not None or self.paged_decodes is not None
+    paged_prefills: PagedPrefills | None = None  # set: prompt chunks run in the CPU kernel
 
 
 def kv_cache_shape(num_pages: int, page_size: int, kv_heads: int, head_dim: int
@@ -131,14 +139,20 @@ def paged_attention(
         assert op is not None, "paged_decodes set without the CPU kernel"
         out[paged.rows] = op(q[paged.rows].contiguous(), k_cache, v_cache, paged.pages,
                              paged.page_lo, paged.lengths, scale)
+    chunks = meta.paged_prefills
+    if chunks is not None:
+        op = prefill_op()
+        assert op is not None, "paged_prefills set without the CPU kernel"
+        op(out, q.contiguous(), k_cache, v_cache, chunks.pages, chunks.page_lo, chunks.starts,
+           chunks.num_new, chunks.context, scale)
     for seg in meta.segments:
+        if seg.batched:
+            continue  # done above
         if seg.context_len == 0:
             out[seg.start : seg.end] = _fresh_prefill(q[seg.start : seg.end],
                                                       k[seg.start : seg.end],
                                                       v[seg.start : seg.end], scale)
             continue
-        if meta.decodes_batched and seg.num_new == 1:
-            continue  # done above
         assert kc is not None and vc is not None
         ks = kc[:, seg.page_lo : seg.page_hi].reshape(kvh, -1, d)[:, : seg.total_len]
         vs = vc[:, seg.page_lo : seg.page_hi].reshape(kvh, -1, d)[:, : seg.total_len]

@@ -1,15 +1,21 @@
 """C++ kernels for the CPU, built on first use; the plain-PyTorch path stays the fallback.
 
-Only decode attention is here: over a long context a decode is memory-bound, and PyTorch has
-no kernel that reads a sequence's KV pages in place (gathering them first, then SDPA, cost
-~3x the pool read itself; docs/bench.md, "Engine speed"). ``decode_attention`` reads the
-head-major page pool through each sequence's page table, one task per (sequence, KV head).
+Two attention kernels, both reading the head-major page pool in place through each
+sequence's page table (PyTorch has no kernel that does; gathering first, then SDPA, cost ~3x
+the pool read itself; docs/bench.md, "Engine speed"):
+
+- ``decode_attention``: every decode of a batch, one task per (sequence, KV head); over a
+  long context a decode is memory-bound.
+- ``prefill_attention``: every prompt chunk of a batch over its whole context, flash-style,
+  with bf16 dot-product instructions; compute-bound, and PyTorch's CPU flash kernel runs it
+  at fp32 speed. Compiled only where the CPU has AVX512_BF16 (``prefill_op()`` is None
+  elsewhere, and prefill stays in PyTorch).
 
 The extension is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja)
 with ``-march=native`` into a cache directory keyed by the source, torch's version and this
 machine's CPU flags, so a shared cache never serves a build for another CPU. Where it cannot
-be built, or ``HLSERVE_CPU_KERNELS=0``, ``decode_op()`` is None and attention takes the
-PyTorch path; the reason is logged once.
+be built, or ``HLSERVE_CPU_KERNELS=0``, ``decode_op()`` and ``prefill_op()`` are None and
+attention takes the PyTorch path; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -26,13 +32,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
+                                       "prefill_attention.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 DecodeOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                      torch.Tensor, float], torch.Tensor]
+# (out, q, k_cache, v_cache, pages, page_lo, starts, num_new, ctx, scale) -> None
+PrefillOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 
 def _cpu_flags() -> str:
@@ -47,11 +58,12 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     """Where this machine's build lives (``HLSERVE_KERNEL_CACHE`` or ~/.cache/hlserve)."""
-    key = hashlib.sha256("\n".join([_SOURCE.read_text(), torch.__version__, _cpu_flags(),
+    texts = [src.read_text() for src in _SOURCES]
+    key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(),
                                     " ".join(_FLAGS)]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HLSERVE_KERNEL_CACHE")
                 or Path.home() / ".cache" / "hlserve" / "kernels")
-    return root / f"decode_attention_{key}"
+    return root / f"cpu_kernels_{key}"
 
 
 def _build() -> object:
@@ -60,9 +72,9 @@ def _build() -> object:
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob("*.so")):
-        log.warning("building the CPU decode-attention kernel (once per machine, about a "
+        log.warning("building the CPU attention kernels (once per machine, about a "
                     "minute) into %s", out)
-    return cpp_extension.load(name="hlserve_decode_attention", sources=[str(_SOURCE)],
+    return cpp_extension.load(name="hlserve_cpu_kernels", sources=[str(s) for s in _SOURCES],
                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                               build_directory=str(out), verbose=False)
 
@@ -75,17 +87,38 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
     return head_dim in HEAD_DIMS and dtype in DTYPES
 
 
+PREFILL_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def supports_prefill(head_dim: int, dtype: torch.dtype) -> bool:
+    return head_dim in PREFILL_HEAD_DIMS and dtype == torch.bfloat16
+
+
+def _module() -> object | None:
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _load()
+    return _state["module"]
+
+
 def decode_op() -> DecodeOp | None:
     """The compiled decode attention, or None where it is off or cannot be built."""
-    if "op" in _state:
-        return _state["op"]  # type: ignore[return-value]
-    with _lock:
-        if "op" not in _state:
-            _state["op"] = _load()
-    return _state["op"]  # type: ignore[return-value]
+    module = _module()
+    return None if module is None else module.decode_attention  # type: ignore[attr-defined]
 
 
-def _load() -> DecodeOp | None:
+def prefill_op() -> PrefillOp | None:
+    """The compiled prefill attention, or None where it is off, cannot be built, or this
+    CPU has no AVX512_BF16."""
+    module = _module()
+    if module is None or not module.prefill_attention_built():  # type: ignore[attr-defined]
+        return None
+    return module.prefill_attention  # type: ignore[attr-defined,no-any-return]
+
+
+def _load() -> object | None:
     if os.environ.get("HLSERVE_CPU_KERNELS", "1") == "0":
         log.info("CPU kernels off (HLSERVE_CPU_KERNELS=0): decode attention in PyTorch")
         return None
@@ -95,5 +128,6 @@ def _load() -> DecodeOp | None:
         log.warning("CPU decode kernel not built (%s: %s); decode attention in PyTorch",
                     type(e).__name__, str(e).strip().splitlines()[-1:] or "")
         return None
-    log.info("CPU decode kernel loaded from %s", build_dir())
-    return module.decode_attention  # type: ignore[attr-defined,no-any-return]
+    log.info("CPU attention kernels loaded from %s (prefill kernel: %s)", build_dir(),
+             "yes" if module.prefill_attention_built() else "no AVX512_BF16")  # type: ignore[attr-defined]
+    return module

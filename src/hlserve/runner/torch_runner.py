@@ -13,11 +13,12 @@ from hlserve.models.attention import (
     AttentionMetadata,
     PaddedDecodes,
     PagedDecodes,
+    PagedPrefills,
     Segment,
     kv_cache_shape,
 )
 from hlserve.models.config import ModelConfig
-from hlserve.models.cpu_kernels import decode_op, supports
+from hlserve.models.cpu_kernels import decode_op, prefill_op, supports, supports_prefill
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
@@ -62,14 +63,15 @@ class TorchRunner(Runner):
             for _ in range(mc.num_hidden_layers)
         ]
         self.decode_path = self._decode_path(mc.head_dim)
+        self.prefill_path = self._prefill_path(mc.head_dim)
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.adjuster = LogitsAdjuster(self.device)  # logit_bias and penalties
         log.info(
             "loaded %s (%s, %.1fM params) on %s; KV pool %d pages x %d tokens (%.2f GiB); "
-            "decode attention: %s", mc.architecture, self.dtype, mc.num_parameters() / 1e6,
-            self.device, self.num_pages, self.page_size, slots * per_token / 2**30,
-            self.decode_path,
+            "decode attention: %s; prefill attention: %s", mc.architecture, self.dtype,
+            mc.num_parameters() / 1e6, self.device, self.num_pages, self.page_size,
+            slots * per_token / 2**30, self.decode_path, self.prefill_path,
         )
 
     def _decode_path(self, head_dim: int) -> str:
@@ -81,6 +83,15 @@ class TorchRunner(Runner):
         if supports(head_dim, self.dtype) and decode_op() is not None:
             return "cpu_kernel"
         return "per_sequence"
+
+    def _prefill_path(self, head_dim: int) -> str:
+        """How prompt chunks attend: the in-place C++ kernel on a CPU with AVX512_BF16 and a
+        bf16 model (bf16 dot products: ~1.5x PyTorch's CPU flash kernel, which runs at fp32
+        speed), else SDPA over the gathered context."""
+        if (self.decode_path == "cpu_kernel" and supports_prefill(head_dim, self.dtype)
+                and prefill_op() is not None):
+            return "cpu_kernel"
+        return "sdpa"
 
     # ---- batch -> tensors ----------------------------------------------------------------
     def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -104,9 +115,11 @@ class TorchRunner(Runner):
                 positions.extend(rng)
                 slots.extend([table[p // ps] * ps + p % ps for p in rng])
             seg = Segment(t0, len(ids), seq.start)
-            # a sequence with context reads it back through its pages, in the per-layer
-            # gather; decodes batched into one call (padded, or the CPU kernel) do not
-            if seq.start > 0 and not (self.decode_path != "per_sequence" and seq.is_decode):
+            seg.batched = (self.decode_path != "per_sequence" if seq.is_decode
+                           else self.prefill_path == "cpu_kernel")
+            # a sequence with context that no batched call attends reads it back through
+            # its pages, in the per-layer gather
+            if seq.start > 0 and not seg.batched:
                 seg.page_lo = len(ctx_pages)
                 ctx_pages.extend(table[: -(-seq.end // ps)])
                 seg.page_hi = len(ctx_pages)
@@ -120,6 +133,8 @@ class TorchRunner(Runner):
             meta.padded_decodes = self._padded_decodes(batch, segments)
         elif self.decode_path == "cpu_kernel":
             meta.paged_decodes = self._paged_decodes(batch, segments)
+        if self.prefill_path == "cpu_kernel":
+            meta.paged_prefills = self._paged_prefills(batch, segments)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
@@ -153,6 +168,19 @@ class TorchRunner(Runner):
             return None
         return PagedDecodes(*(torch.tensor(x, dtype=torch.long) for x in (rows, pages, lo,
                                                                           lengths)))
+
+    def _paged_prefills(self, batch: Batch, segments: list[Segment]) -> PagedPrefills | None:
+        pages: list[int] = []
+        cols: list[list[int]] = [[], [], [], []]  # page_lo, starts, num_new, context
+        for seq, seg in zip(batch.seqs, segments, strict=True):
+            if not seq.is_decode:
+                for col, x in zip(cols, (len(pages), seg.start, seg.num_new, seg.context_len),
+                                  strict=True):
+                    col.append(x)
+                pages.extend(seq.page_table[: -(-seq.end // self.page_size)])
+        if not cols[0]:
+            return None
+        return PagedPrefills(*(torch.tensor(x, dtype=torch.long) for x in (pages, *cols)))
 
     # ---- execute ------------------------------------------------------------------------
     @torch.inference_mode()
