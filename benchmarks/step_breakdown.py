@@ -15,6 +15,7 @@ call, about 1% of a step). Each figure is the median of ``--repeats`` steps afte
 
     python benchmarks/step_breakdown.py                       # decode 16 x 1.4K-3.8K, prefill 2K
     python benchmarks/step_breakdown.py --decodes 32 --prefill 4096 --prefill-context 2048
+    python benchmarks/step_breakdown.py --prefill-path sdpa     # without the prefill kernel
 """
 
 from __future__ import annotations
@@ -127,7 +128,14 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill-path", choices=["auto", "sdpa"], default="auto",
+                    help="sdpa: prompt chunks through gather + SDPA even where the CPU "
+                         "prefill kernel is built (the 'before' of that kernel)")
     args = ap.parse_args()
+    if args.prefill_path == "sdpa":
+        import hlserve.runner.torch_runner as torch_runner
+
+        torch_runner.prefill_op = lambda: None
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -153,7 +161,8 @@ def main() -> None:
             make_batch(runner, [args.prefill_context], [args.prefill], rng),
     }
     print(f"model {model_dir} ({args.dtype}), {torch.get_num_threads()} threads, page size "
-          f"{args.page_size}, median of {args.repeats}")
+          f"{args.page_size}, median of {args.repeats}; decode attention {runner.decode_path}, "
+          f"prefill attention {runner.prefill_path}")
     cols = ("step", "attention", "linear", "lm_head", "other model", "host")
     print("| step | " + " | ".join(f"{c} (ms)" for c in cols) + " |")
     print("|---|" + "---:|" * len(cols))
