@@ -12,7 +12,7 @@ from hlserve.models.tiny import make_tiny_model
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the CPU decode kernel once, before any test starts a server that would
+    """Build the CPU attention kernels once, before any test starts a server that would
     otherwise pay the build inside its start-up timeout."""
     decode_op()
 

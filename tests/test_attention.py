@@ -166,11 +166,13 @@ needs_prefill_kernel = pytest.mark.skipif(
 
 
 def prefills(meta: attn.AttentionMetadata, seqs: list[tuple[int, int]],
-             tables: list[list[int]], page_size: int) -> attn.PagedPrefills:
-    """Every segment that is not a decode, as the CPU prefill kernel reads it."""
+             tables: list[list[int]], page_size: int, decodes: bool = False
+             ) -> attn.PagedPrefills:
+    """Every segment that is not a decode (every one with ``decodes``), as the CPU prefill
+    kernel reads it."""
     pages, cols = [], [[], [], [], []]  # page_lo, starts, num_new, context
     for seg, (ctx, n), table in zip(meta.segments, seqs, tables, strict=True):
-        if not (n == 1 and ctx > 0):
+        if decodes or not (n == 1 and ctx > 0):
             seg.batched = True
             for col, x in zip(cols, (len(pages), seg.start, n, ctx), strict=True):
                 col.append(x)
@@ -188,19 +190,23 @@ PREFILL_MIX = [(0, 9), (37, 1), (0, 1), (100, 13), (31, 2), (0, 33), (64, 64), (
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("d", [32, 64, 128])
-def test_cpu_kernel_prefill_matches_reference(heads, kv_heads, page_size, d) -> None:
-    """The in-place bf16 prefill kernel (and the decode kernel beside it, every segment in a
-    batched call): the dense fp64 reference over the same bf16 inputs, within bf16 rounding
-    (the kernel rounds the softmax weights to bf16 for the value product, as flash attention
-    does on GPUs)."""
+@pytest.mark.parametrize("decodes_in", ["decode_kernel", "prefill_kernel"])
+def test_cpu_kernel_prefill_matches_reference(heads, kv_heads, page_size, d, decodes_in
+                                              ) -> None:
+    """The in-place bf16 prefill kernel, with the decodes in the decode kernel beside it or
+    in its own call (as the runner does in bf16), every segment in a batched call: the dense
+    fp64 reference over the same bf16 inputs, within bf16 rounding (the kernel rounds the
+    softmax weights to bf16 for the value product, as flash attention does on GPUs)."""
     tables: list[list[int]] = []
     q, k, v, kc, vc, meta, scale, _ = build_case(heads, kv_heads, page_size, PREFILL_MIX,
                                                  seed=d, d=d, tables=tables)
     q, k, v, kc, vc = (x.to(torch.bfloat16) for x in (q, k, v, kc, vc))
     attn.write_kv(kc, vc, k, v, meta.slot_mapping)
     assert meta.context_pages is not None
-    meta.paged_decodes = paged(meta, PREFILL_MIX, page_size, meta.context_pages.tolist())
-    meta.paged_prefills = prefills(meta, PREFILL_MIX, tables, page_size)
+    if decodes_in == "decode_kernel":
+        meta.paged_decodes = paged(meta, PREFILL_MIX, page_size, meta.context_pages.tolist())
+    meta.paged_prefills = prefills(meta, PREFILL_MIX, tables, page_size,
+                                   decodes=decodes_in == "prefill_kernel")
     meta.context_pages = None  # nothing may fall back to the gather
     out = attn.paged_attention(q, k, v, kc, vc, meta, scale)
     t = 0
@@ -328,19 +334,34 @@ def test_bf16_prefill_kernel_keeps_the_pytorch_paths_logits(tiny_model_dirs, mon
                shared + [rng.randrange(3, 1000) for _ in range(7)],
                [rng.randrange(3, 1000) for _ in range(5)]]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+    # then decodes: through the prefill kernel on one path, the decode kernel on the other
+    decodes = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 
     def first_tokens(llm: LLM) -> list[tuple[int, dict[int, float]]]:
         outs = llm.generate(prompts, params, use_tqdm=False)
         outs += llm.generate(prompts, params, use_tqdm=False)  # again, from the prefix cache
         return [(o.token_ids[0], dict(o.logprobs[0].top)) for o in outs]
 
+    def decoded(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate(prompts, decodes, use_tqdm=False)
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
     kernel = LLM(str(path), dtype="bfloat16", page_size=16, chunk_size=128)
     assert kernel.engine.runner.prefill_path == "cpu_kernel"
-    got = first_tokens(kernel)
+    assert kernel.engine.runner.decode_path == "prefill_kernel"
+    got, got_dec = first_tokens(kernel), decoded(kernel)
     monkeypatch.setattr("hlserve.runner.torch_runner.prefill_op", lambda: None)
     plain = LLM(str(path), dtype="bfloat16", page_size=16, chunk_size=128)
     assert plain.engine.runner.prefill_path == "sdpa"
-    want = first_tokens(plain)
+    assert plain.engine.runner.decode_path == "cpu_kernel"
+    want, want_dec = first_tokens(plain), decoded(plain)
+    # decoded tokens: equal up to the first near-tie, each token's logprob within noise
+    for (toks_got, lps_got), (toks_want, lps_want) in zip(got_dec, want_dec, strict=True):
+        for a, b, la, lb in zip(toks_got, toks_want, lps_got, lps_want, strict=True):
+            assert abs(la - lb) < 0.05
+            if a != b:
+                assert abs(la - lb) < 0.02  # a tie broken differently: nothing after compares
+                break
     # a random tiny model's logits are nearly flat (exact bf16 ties occur, and the PyTorch
     # path itself picks differently from the cache), so the check is on log-probabilities:
     # each path's pick is the other's best within noise, and shared entries agree

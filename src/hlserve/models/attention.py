@@ -26,6 +26,12 @@ docs/bench.md, "Engine speed"):
   query rows per KV head, no K/V expansion). On CUDA a lower-right causal bias does the same
   inside one kernel.
 - **Fresh prefill** (no context): causal SDPA over the new K/V, no gather.
+
+On the CPU, two C++ kernels (``models/cpu_kernels.py``) replace these where they are built:
+every decode of the batch in one call, and (bf16, AVX512_BF16) every prompt chunk, fresh or
+over a context, in one flash-style call with bf16 dot products. Both read the pages in place,
+so a batch that only they attend gathers nothing. A segment they cover is marked ``batched``
+and skipped by the per-segment loop below.
 """
 
 from __future__ import annotations

@@ -64,6 +64,10 @@ class TorchRunner(Runner):
         ]
         self.decode_path = self._decode_path(mc.head_dim)
         self.prefill_path = self._prefill_path(mc.head_dim)
+        if self.prefill_path == "cpu_kernel":
+            # decodes ride in the prefill kernel's call as chunks of one query: its bf16 dot
+            # products beat the fp32 decode kernel by ~1.25x on one layer (docs/bench.md)
+            self.decode_path = "prefill_kernel"
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.adjuster = LogitsAdjuster(self.device)  # logit_bias and penalties
@@ -172,8 +176,9 @@ class TorchRunner(Runner):
     def _paged_prefills(self, batch: Batch, segments: list[Segment]) -> PagedPrefills | None:
         pages: list[int] = []
         cols: list[list[int]] = [[], [], [], []]  # page_lo, starts, num_new, context
+        with_decodes = self.decode_path == "prefill_kernel"
         for seq, seg in zip(batch.seqs, segments, strict=True):
-            if not seq.is_decode:
+            if with_decodes or not seq.is_decode:
                 for col, x in zip(cols, (len(pages), seg.start, seg.num_new, seg.context_len),
                                   strict=True):
                     col.append(x)

@@ -67,6 +67,30 @@ inline __mmask16 lanes(int n) {  // the first n of 16 lanes (n clipped to 0..16)
                  : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// r[i] lane j <- r[j] lane i: a 16 x 16 transpose of 32-bit words in four shuffle rounds
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int b = 0; b < 16; b += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[b + i] = _mm512_shuffle_i32x4(r[b + i], r[b + i + 4], 0x88);
+      t[b + i + 4] = _mm512_shuffle_i32x4(r[b + i], r[b + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 // One tile of keys and values repacked for the dot-product instructions.
 template <int D>
 struct Tile {
@@ -76,15 +100,17 @@ struct Tile {
   void load(const uint16_t* kbase, const uint16_t* vbase, const int64_t* table, int64_t S,
             int64_t l0, int nk) {
     const __m512i idx = interleave_index();
-    for (int j = 0; j < KT; ++j) {
-      uint32_t* col = &kt[j / 16][0][j % 16];
-      if (j < nk) {
-        const int64_t l = l0 + j;
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(
-            kbase + (table[l / S] * S + l % S) * D);
-        for (int p = 0; p < D / 2; ++p) col[p * 16] = kr[p];
-      } else {
-        for (int p = 0; p < D / 2; ++p) col[p * 16] = 0;
+    // keys: each 16 x 16 block of (key, dimension pair) words is transposed in registers
+    for (int half = 0; half < 2; ++half) {
+      const uint16_t* rows[16];
+      for (int j = 0; j < 16; ++j)
+        rows[j] = row(kbase, table, S, l0 + 16 * half + j, 16 * half + j < nk);
+      for (int pb = 0; pb < D / 32; ++pb) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j)
+          r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 32 * pb) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[half][16 * pb + i], r[i]);
       }
     }
     for (int j = 0; j < KT / 2; ++j) {
