@@ -92,3 +92,37 @@ def test_simulated_sweep(tmp_path: Path) -> None:
     for p in summary["points"]:
         assert p["result"]["clock"] == "virtual"
         assert p["result"]["engine_config"]["chunk_size"] == p["knobs"]["chunk_size"]
+
+
+def _point(label: str, ttft: float, tpot: float, tput: float, half: float | None) -> dict:
+    r = {"completed": 10, "failed": 0, "p99_ttft_ms": ttft, "p99_tpot_ms": tpot,
+         "total_token_throughput": tput}
+    if half is not None:
+        for k in ("p99_ttft_ms", "p99_tpot_ms", "total_token_throughput"):
+            r[f"{k}_ci95"] = [r[k] - half, r[k] + half]
+    return {"label": label, "knobs": {}, "result": r}
+
+
+def test_frontier_plot_draws_intervals_and_readable_axes(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeated points carry their 95% intervals as error bars; a latency range under 3x gets
+    a linear axis with ticks (a log axis over 17-19 s showed none)."""
+    import matplotlib.pyplot as plt
+
+    from hlserve.bench import report
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    narrow = [_point("a", 17_000, 400, 1200, 50), _point("b", 19_000, 450, 1250, 40),
+              _point("c", 18_000, 430, 1100, None)]
+    png = report.frontier_plot(narrow, tmp_path / "f.png")
+    assert png.stat().st_size > 10_000
+    ttft_ax = figs[0].axes[0]
+    assert ttft_ax.get_xscale() == "linear"
+    labels = [t.get_text() for t in ttft_ax.get_xticklabels() if t.get_text()]
+    assert len(labels) >= 3
+    bars = [c for c in ttft_ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(bars) == 2  # the two repeated points, not the single run
+    wide = [_point("a", 500, 100, 1200, 10), _point("b", 20_000, 450, 1250, 10)]
+    report.frontier_plot(wide, tmp_path / "g.png")
+    assert figs[1].axes[0].get_xscale() == "log"

@@ -122,11 +122,20 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _err(result: dict[str, Any], key: str) -> list[list[float]] | None:
+    """The asymmetric error bar [[below], [above]] of ``key`` from its 95% interval."""
+    v, ci = _num(result.get(key)), result.get(f"{key}_ci95")
+    if math.isnan(v) or not ci or any(c is None for c in ci):
+        return None
+    return [[max(0.0, v - float(ci[0]))], [max(0.0, float(ci[1]) - v)]]
+
+
 def frontier_plot(points: Sequence[dict[str, Any]], path: str | Path, title: str = "",
                   metric: str = THROUGHPUT) -> Path:
     """Two panels: throughput against p99 TTFT and against p99 TPOT, one marker per
     configuration, and the frontier (best throughput with the latency at most x) as a step
-    line, with the human tax written at each point on it."""
+    line, with the human tax written at each point on it. Repeated points (``<metric>_ci95``
+    in their result) carry their 95% intervals as error bars on both axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,8 +152,13 @@ def frontier_plot(points: Sequence[dict[str, Any]], path: str | Path, title: str
         pts = sorted(((_num(p["result"].get(key)), _num(p["result"].get(metric)), p["label"])
                       for p in ok), key=lambda t: t[0])
         pts = [t for t in pts if not math.isnan(t[0])]
+        results = {p["label"]: p["result"] for p in ok}
         for x, y, label in pts:
             ax.scatter([x], [y], s=45, zorder=3, color=colors[label], label=label)
+            xerr, yerr = (_err(results[label], k) for k in (key, metric))
+            if xerr is not None or yerr is not None:
+                ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="none", ecolor=colors[label],
+                            elinewidth=1, capsize=3, alpha=0.8, zorder=2)
         # frontier: the best throughput among points with latency <= x; the tax is written
         # where the frontier steps up (the points on it)
         fx, fy, run = [], [], -math.inf
@@ -158,13 +172,25 @@ def frontier_plot(points: Sequence[dict[str, Any]], path: str | Path, title: str
             fy.append(run)
         if fx:
             ax.step(fx, fy, where="post", color="black", lw=1.2, alpha=0.7, label="frontier")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
-            lambda v, _: f"{v:,.0f}" if f"{v:.0f}"[0] in "23457" else ""))
-        ax.set_xlabel(f"SLO target: {name}, log scale")
+        xs = [x for x, _, _ in pts if x > 0]
+        # a log axis only where the latencies span a wide range: over less than 3x it would
+        # show one tick or none (matplotlib labels decades and a few minor ticks only)
+        log = bool(xs) and max(xs) / min(xs) >= 3
+        if log:
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(
+                matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+                lambda v, _: f"{v:,.0f}" if f"{v:.0f}"[0] in "23457" else ""))
+        else:
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
+            ax.xaxis.set_major_formatter(
+                matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.set_xlabel(f"SLO target: {name}" + (", log scale" if log else ""))
         ax.set_ylabel(f"{metric.replace('_', ' ')} (tok/s)")
-        ax.set_ylim(bottom=0, top=1.15 * max((y for _, y, _ in pts), default=1.0))
+        highs = [y + (_err(results[label], metric) or [[0.0], [0.0]])[1][0]
+                 for _, y, label in pts]
+        ax.set_ylim(bottom=0, top=1.1 * max(highs, default=1.0))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize=7, ncol=2)
     if title:
