@@ -143,6 +143,21 @@ struct Tile {
   }
 };
 
+// Ask for the next tile's key and value rows while this one is computed: its pages are
+// anywhere in the pool, so the hardware prefetcher cannot guess them.
+template <int D>
+inline void prefetch_tile(const uint16_t* kbase, const uint16_t* vbase, const int64_t* table,
+                          int64_t S, int64_t l0, int64_t keys) {
+  const int64_t end = std::min<int64_t>(keys, l0 + KT);
+  for (int64_t l = l0; l < end; ++l) {
+    const int64_t off = (table[l / S] * S + l % S) * D;
+    for (int b = 0; b < D * 2; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kbase + off) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vbase + off) + b, _MM_HINT_T0);
+    }
+  }
+}
+
 // Running state of one query row: output accumulator, max score, lane-wise sum of weights.
 template <int D>
 struct RowState {
@@ -256,6 +271,7 @@ void prefill_block(const uint16_t* q, const uint16_t* kbase, const uint16_t* vba
   for (int64_t l0 = 0; l0 < keys; l0 += KT) {
     const int nk = static_cast<int>(std::min<int64_t>(KT, keys - l0));
     tile.load(kbase, vbase, table, S, l0, nk);
+    if (l0 + KT < keys) prefetch_tile<D>(kbase, vbase, table, S, l0 + KT, keys);
     // keys of this tile that row r's query sees (<= 0: the tile is in its future)
     const auto seen_by = [&](int64_t r) {
       return static_cast<int>(std::min<int64_t>(nk, ctx + q0 + r / G + 1 - l0));
