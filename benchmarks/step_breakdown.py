@@ -16,6 +16,7 @@ call, about 1% of a step). Each figure is the median of ``--repeats`` steps afte
     python benchmarks/step_breakdown.py                       # decode 16 x 1.4K-3.8K, prefill 2K
     python benchmarks/step_breakdown.py --decodes 32 --prefill 4096 --prefill-context 2048
     python benchmarks/step_breakdown.py --prefill-path sdpa     # without the prefill kernel
+    python benchmarks/step_breakdown.py --no-fused-ops          # norms, RoPE, SiLU unfused
 """
 
 from __future__ import annotations
@@ -131,7 +132,14 @@ def main() -> None:
     ap.add_argument("--prefill-path", choices=["auto", "sdpa"], default="auto",
                     help="sdpa: prompt chunks through gather + SDPA even where the CPU "
                          "prefill kernel is built (the 'before' of that kernel)")
+    ap.add_argument("--no-fused-ops", action="store_true",
+                    help="norms, RoPE and SiLU x up in plain PyTorch even where the fused "
+                         "CPU ops are built (the 'before' of those ops)")
     args = ap.parse_args()
+    if args.no_fused_ops:
+        import hlserve.models.fused as fused
+
+        fused.fused_ops = lambda: None
     if args.prefill_path == "sdpa":
         import hlserve.runner.torch_runner as torch_runner
 
@@ -162,7 +170,8 @@ def main() -> None:
     }
     print(f"model {model_dir} ({args.dtype}), {torch.get_num_threads()} threads, page size "
           f"{args.page_size}, median of {args.repeats}; decode attention {runner.decode_path}, "
-          f"prefill attention {runner.prefill_path}")
+          f"prefill attention {runner.prefill_path}, fused ops "
+          f"{'off' if args.no_fused_ops else 'on where built'}")
     cols = ("step", "attention", "linear", "lm_head", "other model", "host")
     print("| step | " + " | ".join(f"{c} (ms)" for c in cols) + " |")
     print("|---|" + "---:|" * len(cols))

@@ -11,6 +11,9 @@ the pool read itself; docs/bench.md, "Engine speed"):
   at fp32 speed. Compiled only where the CPU has AVX512_BF16 (``prefill_op()`` is None
   elsewhere, and prefill stays in PyTorch).
 
+And the fused elementwise ops of a layer in bf16 (RMSNorm with its residual add, SiLU x up,
+RoPE; ``fused_ops()``, used by ``models/fused.py``), also AVX512_BF16 only.
+
 The extension is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja)
 with ``-march=native`` into a cache directory keyed by the source, torch's version and this
 machine's CPU flags, so a shared cache never serves a build for another CPU. Where it cannot
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
-                                       "prefill_attention.cpp")]
+                                       "prefill_attention.cpp", "fused_ops.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -116,6 +119,16 @@ def prefill_op() -> PrefillOp | None:
     if module is None or not module.prefill_attention_built():  # type: ignore[attr-defined]
         return None
     return module.prefill_attention  # type: ignore[attr-defined,no-any-return]
+
+
+def fused_ops() -> object | None:
+    """The module with the fused bf16 layer ops (``rms_norm``, ``add_rms_norm_``,
+    ``silu_mul``, ``rope_``), or None where they are off, cannot be built, or this CPU has no
+    AVX512_BF16."""
+    module = _module()
+    if module is None or not module.fused_ops_built():  # type: ignore[attr-defined]
+        return None
+    return module
 
 
 def _load() -> object | None:

@@ -12,9 +12,9 @@ import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from hlserve.errors import ModelLoadError
+from hlserve.models import fused
 from hlserve.models.attention import AttentionMetadata, paged_attention, write_kv
 from hlserve.models.config import ModelConfig
 
@@ -26,10 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -68,11 +65,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, heads, D]; cos/sin: [T, D] in fp32, cast like the reference does
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return fused.rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -119,7 +112,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -138,8 +131,10 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        x, h = fused.add_rms_norm(x, a, norm.weight, norm.eps)  # x + a, and its norm
+        return x + self.mlp(h)
 
 
 class DecoderStack(nn.Module):

@@ -10,6 +10,12 @@ void prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
                        const torch::Tensor& page_lo, const torch::Tensor& starts,
                        const torch::Tensor& num_new, const torch::Tensor& ctx, double scale);
 bool prefill_attention_built();
+bool fused_ops_built();
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& w,
+                            double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the page pool");
@@ -17,4 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged prefill attention over the page pool (bf16, AVX512_BF16), written into out");
   m.def("prefill_attention_built", &prefill_attention_built,
         "whether prefill_attention was compiled (the CPU has AVX512_BF16)");
+  m.def("fused_ops_built", &fused_ops_built, "whether the fused bf16 ops were compiled");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += a in place, then RMSNorm of x");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up in bf16");
+  m.def("rope_", &rope_, "rotary embedding of [T, heads, D] in place");
 }
