@@ -409,16 +409,19 @@ def cache_salt(key: ApiKey | None, salt: str | None) -> str | None:
 # ---- from a request to the engine -------------------------------------------------------------
 
 
-def check_batch(st: ServerState, prompts: list[Any], per_prompt: int = 1) -> None:
+def check_batch(st: ServerState, prompts: list[Any], per_prompt: int = 1,
+                per_prompt_field: str = "n") -> None:
     """Caps that a request can never fit: a 400, not a retryable 503. Each prompt forks
-    into ``per_prompt`` sequences (n, best_of), each an engine request."""
+    into ``per_prompt`` sequences (``per_prompt_field``: n, or best_of when it is set), each
+    an engine request."""
     cap = st.settings.max_prompts_per_request
     total = len(prompts) * per_prompt
     what = f"{len(prompts)} prompts" if per_prompt == 1 else \
         f"{len(prompts)} prompts x {per_prompt} sequences"
     if total > cap:
         raise ApiError(400, f"A request may carry at most {cap} prompts (sequences); got {what}",
-                       param="prompt" if per_prompt == 1 else "n", code="invalid_value")
+                       param="prompt" if per_prompt == 1 else per_prompt_field,
+                       code="invalid_value")
     queue = st.settings.max_queued_requests
     if queue is not None and total > queue:
         raise ApiError(400, f"A request of {what} can never fit this server's "
@@ -683,7 +686,7 @@ async def completions(request: Request) -> Response:
     inbound = await read_request(request, st, CompletionRequest)
     req = inbound.req
     prompts = req.prompts()
-    check_batch(st, prompts, req.best_of or req.n)
+    check_batch(st, prompts, req.best_of or req.n, "best_of" if req.best_of else "n")
     ids = await encode_prompts(st, prompts, inbound.offload)
     params = await constrain(st, req, [sampling(st, req, len(p)) for p in ids])
     if req.echo and st.tokenizer is None and any(isinstance(p, list) for p in prompts):
