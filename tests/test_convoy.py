@@ -8,10 +8,12 @@ waits must not stop those behind it that fit.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
+from hlserve.engine.policies import Admit
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import SamplingParams
 from support import HistoryRunner
@@ -67,16 +69,48 @@ def test_a_waiting_request_does_not_block_those_behind_it() -> None:
 
 
 def test_offline_max_tokens_beyond_the_context_does_not_hang(tiny_llama) -> None:
-    """LLM.generate in throughput mode with max_tokens > max_model_len ends at the model's
-    length instead of waiting forever for a pool that could hold prompt + max_tokens."""
+    """LLM.generate in throughput mode with max_tokens > max_model_len ends each prompt at the
+    model's length instead of waiting forever for a pool that could hold prompt +
+    max_tokens. Several prompts and a pool of 2.5 contexts: admission projects each to the
+    model's length (not to max_tokens), so several run at once; a prompt that does not fit
+    now waits while short requests behind it that fit go ahead (backfill); and retraction
+    makes room when the running ones outgrow the pool."""
     from hlserve.llm import LLM
 
-    llm = LLM(str(tiny_llama), dtype="float32", mode="throughput", max_model_len=64,
-              num_pages=4, page_size=16)
+    max_len = 64
+    llm = LLM(str(tiny_llama), dtype="float32", mode="throughput", max_model_len=max_len,
+              num_pages=10, page_size=16)
+    eng = llm.engine
+    sched = eng.scheduler
+    verdicts: list[tuple[int, str]] = []  # (pass, verdict) of every admission decision
+    busiest = 0
+    decide = sched.admission.decide
+
+    def traced_decide(q, kv):
+        nonlocal busiest
+        verdict = decide(q, kv)
+        idle = not sched.running and kv.num_used == 0  # then a wait is admitted anyway
+        verdicts.append((sched.step, "idle" if idle else verdict))
+        busiest = max(busiest, len(sched.running) + (verdict == Admit.YES))
+        return verdict
+
+    sched.admission.decide = traced_decide
+    lengths = [40, 44, 20, 44, 8, 30, 4, 6]
+    max_tokens = [1000] * 6 + [8, 8]  # six past the context, then two short ones
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     result: list = []
     t = threading.Thread(target=lambda: result.extend(llm.generate(
-        [[1, 2, 3, 4]], params(1000), use_tqdm=False)), daemon=True)
+        prompts, [params(m) for m in max_tokens], use_tqdm=False)), daemon=True)
     t.start()
-    t.join(60)
+    t.join(120)
     assert not t.is_alive(), "generate hung"
-    assert result[0].finish_reason == "length" and len(result[0].token_ids) == 60
+    assert [o.finish_reason for o in result] == ["length"] * len(prompts)
+    assert [len(o.token_ids) for o in result] == [
+        min(m, max_len - n) for n, m in zip(lengths, max_tokens, strict=True)]
+    assert busiest >= 2, "one prompt at a time: each was projected to max_tokens"
+    backfilled = [step for (step, v), (step2, v2) in itertools.pairwise(verdicts)
+                  if step == step2 and v == Admit.WAIT and v2 == Admit.YES]
+    assert backfilled, "no request was admitted behind one told to wait"
+    assert sched.num_retractions > 0  # the pool was outgrown: retraction made room
+    assert not eng.has_unfinished() and sched.kv.num_used == 0
+    sched.check_invariants()
