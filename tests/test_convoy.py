@@ -9,6 +9,7 @@ waits must not stop those behind it that fit.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 
 from hlserve.config import EngineConfig
@@ -43,6 +44,43 @@ def test_a_request_without_max_tokens_is_admitted_while_long_streams_run() -> No
     e.step()
     assert chat in e.scheduler.running, "the chat request waits for the 8 streams: a convoy"
     assert all(not r.finished for r in streams)
+
+
+def test_a_chat_request_is_admitted_when_its_prompt_fits_a_nearly_full_pool() -> None:
+    """The issue's convoy: 8 long streams hold more than 90% of the pool, less than a fair
+    share (pool / 9) is free, and a chat request without max_tokens arrives. Its prompt and
+    a page of growth per running request fit what is free, so it is admitted at once, not
+    after the streams finish; retraction is the safety valve should the pool run out (here
+    it does not: the streams end before the chat needs their pages).
+
+    Mixing is ``always`` here, to test admission alone: throughput mode's two-stage mixing
+    runs decode-only while KV use is over 90% and the pending prefill exceeds the evictable
+    pages, whatever is free, so with it the chat would still wait for the streams."""
+    e = throughput_engine(mixing="always")
+    rngs = [random.Random(i) for i in range(8)]  # distinct prompts: no page shared
+    streams = [e.add_request([rng.randrange(8) for _ in range(440)], params(40))
+               for rng in rngs]  # 28 pages of prompt each, 30 at the end
+    while e.scheduler.kv.num_used <= 0.9 * PAGES:
+        e.step()
+    assert all(r in e.scheduler.running and not r.finished for r in streams)
+    free = PAGES - e.scheduler.kv.num_used
+    assert free < PAGES // 9, "a fair share is free: not the convoy case"
+    prompt = [4, 5, 6] * 10
+    chat = e.add_request(prompt, params(CONTEXT - len(prompt)))  # the chat default
+    e.step()
+    assert chat in e.scheduler.running, "the chat request waits for the 8 streams: a convoy"
+    assert all(not r.finished for r in streams)
+    done = {}
+    for _ in range(2 * CONTEXT):
+        if not e.has_unfinished():
+            break
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert {r.request_id for r in (*streams, chat)} == set(done)
+    assert all(o.finish_reason == "length" for o in done.values())
+    assert len(done[chat.request_id].token_ids) == CONTEXT - len(prompt)
+    assert e.scheduler.num_retractions == 0
 
 
 def test_a_waiting_request_does_not_block_those_behind_it() -> None:
