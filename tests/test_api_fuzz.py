@@ -143,11 +143,24 @@ def test_a_disconnect_mid_upload_is_not_an_internal_error(server, http) -> None:
     serves(http)  # the fixture's teardown checks that no traceback was logged
 
 
-def test_a_huge_prompt_costs_what_the_context_does(server, http) -> None:
+HUGE_TEXT = "lorem ipsum dolor sit amet " * (8 * 1024 * 1024 // 27)  # 8 MB
+HUGE_CHAT = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": HUGE_TEXT}]
+HUGE_CASES = {  # path, body, the field the 400 names
+    "completion": ("/v1/completions", {"prompt": HUGE_TEXT, "max_tokens": 4}, "prompt"),
+    "chat": ("/v1/chat/completions", {"messages": HUGE_CHAT, "max_tokens": 4}, "messages"),
+    "tokenize": ("/tokenize", {"prompt": HUGE_TEXT}, "prompt"),
+    "tokenize-chat": ("/tokenize", {"messages": HUGE_CHAT}, "messages"),
+}
+
+
+@pytest.mark.parametrize("case", list(HUGE_CASES))
+def test_a_huge_prompt_costs_what_the_context_does(server, http, case: str) -> None:
     """An 8 MB prompt took 10+ s to tokenize, and the tokenizer holds the GIL, so /health
     stalled for all of it even from a worker thread. Now only a part bounded by the context
-    is tokenized before the 400, which does not quote the prompt back."""
-    text = "lorem ipsum dolor sit amet " * (8 * 1024 * 1024 // 27)
+    is tokenized before the 400, which does not quote the prompt back: for a prompt, for a
+    chat (a part of the rendered chat), and for /tokenize of either."""
+    path, body, param = HUGE_CASES[case]
     latencies: list[float] = []
     done = threading.Event()
     polling = threading.Event()
@@ -169,14 +182,14 @@ def test_a_huge_prompt_costs_what_the_context_does(server, http) -> None:
     assert polling.wait(10)
     t0 = time.monotonic()
     try:
-        r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 4})
+        r = http.post(path, json=body)
     finally:
         took = time.monotonic() - t0
         done.set()
         poller.join()
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded", err
-    assert err["param"] == "prompt" and "in its first 2048 characters alone" in err["message"]
+    assert err["param"] == param and "first 2048 characters" in err["message"], err
     assert len(r.content) < 1000
     assert took < 3.0, took
     assert latencies and max(latencies) < 0.5, (took, latencies)

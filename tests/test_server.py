@@ -710,7 +710,7 @@ OUT_OF_RANGE: dict[str, list[Any]] = {
     "seed": [INT64_OVERFLOW, 2**64, -(2**63) - 1],
     "max_tokens": [INT64_OVERFLOW, 2**31, 0, -1],
     "min_tokens": [INT64_OVERFLOW, 2**31, -1],
-    "n": [INT64_OVERFLOW, 0, -1],
+    "n": [INT64_OVERFLOW, 0, -1, 129],  # 129: MAX_N + 1 sequences per prompt
     "priority": [INT64_OVERFLOW, 2**31, -(2**31) - 1],
     "stop_token_ids": [[INT64_OVERFLOW], [2**31], [-1]],
     "temperature": [1e39, -0.5, 1e308],
@@ -718,8 +718,9 @@ OUT_OF_RANGE: dict[str, list[Any]] = {
     "min_p": [1e39, -0.1, 1.5],
     "presence_penalty": [1e39, -3.0],
     "frequency_penalty": [1e39, 3.0],
+    "repetition_penalty": [1e39, 0, -1],
 }
-COMPLETION_ONLY = {"logprobs": [INT64_OVERFLOW, 21, -1], "best_of": [INT64_OVERFLOW, 0]}
+COMPLETION_ONLY = {"logprobs": [INT64_OVERFLOW, 21, -1], "best_of": [INT64_OVERFLOW, 0, 129]}  # 129: MAX_N + 1
 CHAT_ONLY = {"top_logprobs": [INT64_OVERFLOW, 21, -1],
              "max_completion_tokens": [INT64_OVERFLOW, 2**31, 0]}
 CASES = [(path, field, value)

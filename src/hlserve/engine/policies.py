@@ -218,7 +218,7 @@ class AdmitQuery:
     chunk_pages: int  # pages the first chunk needs now
     headroom_pages: int  # free + evictable (minus matched pages that admission would lock)
     reserved_pages: int  # future growth of running requests, where the policy reserves it
-    num_running: int = 0  # requests running now (their share of the pool bounds a projection)
+    num_running: int = 0  # requests running now (they set a fair share and a growth margin)
     max_model_len: int | None = None  # no request grows past it, whatever its max_tokens
 
 
@@ -282,12 +282,21 @@ class Backpressure(AdmissionPolicy):
     retracted to make room for it; one that does not fit waits until pages free up, and
     only one that could never fit is refused (at intake).
 
-    The output projection is bounded by a fair share of the pool, ``pool / (running + 1)``
-    pages: a request without ``max_tokens`` (every chat client's default) would otherwise
-    project the whole context window and wait for an empty pool, a convoy behind the
-    longest-running stream. Growth past the share is what retraction is for. And a request
-    that waits does not block those behind it that fit (backfill); the scheduler holds its
-    pages back for it once it has waited long, so it is not starved either."""
+    A projection is only as good as its bound. Within a fair share of the pool,
+    ``pool / (running + 1)`` pages, the request's own max_tokens (never past the model's
+    length) is reserved in full. A request whose output the client did not bound within its
+    share (no ``max_tokens``, every chat client's default, or one past the share) reserves
+    only a margin of growth: a page for each running request and one for itself (at most
+    the share), so that its admission does not force a retraction at once. Reserving the share instead made
+    such a request wait, behind long streams that held most of the pool, until they
+    finished: a convoy. Its growth past the margin is what retraction is for: when the pool
+    runs out, throughput mode's victim is the request with the fewest generated tokens
+    (normally the newcomer; its computed pages stay cached), and it is admitted again only
+    once its margin is free again, which in a full pool only a request that ends frees, so
+    retractions cannot repeat faster than requests end.
+
+    A request that waits does not block those behind it that fit (backfill); the scheduler
+    holds its pages back for it once it has waited long, so it is not starved either."""
 
     backfill = True
 
@@ -295,10 +304,13 @@ class Backpressure(AdmissionPolicy):
         return Admit.YES if self.need_pages(q, kv) <= q.headroom_pages else Admit.WAIT
 
     def need_pages(self, q: AdmitQuery, kv: KVCacheManager) -> int:
-        r = q.request
+        prompt = kv.pages_for(q.request.num_tokens) - q.cached_tokens // kv.page_size
+        projected = _projected_pages(q, kv)
         share = kv.num_pages // (q.num_running + 1)
-        prompt = kv.pages_for(r.num_tokens) - q.cached_tokens // kv.page_size
-        return max(q.chunk_pages, min(_projected_pages(q, kv), prompt + share))
+        if projected <= prompt + share:  # the client bounded its output within its share
+            return max(q.chunk_pages, projected)
+        # unbounded: the growth margin (never more than the share, in a pool of few pages)
+        return max(q.chunk_pages, prompt + min(share, q.num_running + 1))
 
 
 # ---- retraction -----------------------------------------------------------------------------

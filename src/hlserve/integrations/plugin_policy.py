@@ -225,9 +225,10 @@ def projected_blocks(num_tokens: int, remaining_output: int, cached_tokens: int,
                      num_running: int) -> int:
     """Blocks a waiting request will take from the pool: its uncached prompt plus its
     projected output (never past the model's length), the output bounded by a fair share of
-    the pool, ``pool / (running + 1)``, as hlserve's ``Backpressure`` bounds it: a request
-    without ``max_tokens`` (vLLM then allows the whole remaining context) would otherwise
-    wait for an empty pool. Growth past the share is what preemption is for."""
+    the pool, ``pool / (running + 1)``: a request without ``max_tokens`` (vLLM then allows
+    the whole remaining context) would otherwise wait for an empty pool. Growth past the
+    share is what preemption is for. (hlserve's own ``Backpressure`` reserves less past the
+    share, a block of growth per running request; the plugin has not followed it yet.)"""
     cached = cached_tokens // block_size
     prompt = cdiv(num_tokens, block_size) - cached
     total = min(num_tokens + max(remaining_output, 0), max_model_len)

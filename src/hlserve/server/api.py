@@ -409,16 +409,19 @@ def cache_salt(key: ApiKey | None, salt: str | None) -> str | None:
 # ---- from a request to the engine -------------------------------------------------------------
 
 
-def check_batch(st: ServerState, prompts: list[Any], per_prompt: int = 1) -> None:
+def check_batch(st: ServerState, prompts: list[Any], per_prompt: int = 1,
+                per_prompt_field: str = "n") -> None:
     """Caps that a request can never fit: a 400, not a retryable 503. Each prompt forks
-    into ``per_prompt`` sequences (n, best_of), each an engine request."""
+    into ``per_prompt`` sequences (``per_prompt_field``: n, or best_of when it is set), each
+    an engine request."""
     cap = st.settings.max_prompts_per_request
     total = len(prompts) * per_prompt
     what = f"{len(prompts)} prompts" if per_prompt == 1 else \
         f"{len(prompts)} prompts x {per_prompt} sequences"
     if total > cap:
         raise ApiError(400, f"A request may carry at most {cap} prompts (sequences); got {what}",
-                       param="prompt" if per_prompt == 1 else "n", code="invalid_value")
+                       param="prompt" if per_prompt == 1 else per_prompt_field,
+                       code="invalid_value")
     queue = st.settings.max_queued_requests
     if queue is not None and total > queue:
         raise ApiError(400, f"A request of {what} can never fit this server's "
@@ -448,22 +451,43 @@ async def encode_prompts(st: ServerState, prompts: list[str | list[int]],
     return run()
 
 
-def encode_bounded(tok: Tokenizer, text: str, max_model_len: int) -> list[int]:
+def encode_bounded(tok: Tokenizer, text: str, max_model_len: int,
+                   add_special_tokens: bool = True) -> list[int]:
     """``text``'s ids; a text far longer than the context is tokenized in part first, and
     refused if that part alone is over the context: the work a prompt costs is bounded by
     the context, not by the body size. (Tokenizing holds the GIL for long stretches, so a
     worker thread alone does not keep a multi-megabyte prompt from stalling the event loop.)
     """
+    check_head(tok, text, max_model_len, add_special_tokens, "prompt", "the prompt")
+    return tok.encode(text, add_special_tokens)
+
+
+def check_head(tok: Tokenizer, text: str, max_model_len: int, add_special_tokens: bool,
+               param: str, what: str) -> None:
+    """A 400 context_length_exceeded when ``text`` is longer than HEAD_CHARS_PER_TOKEN x the
+    context and its first that many characters alone are over the context (a cut can add
+    HEAD_MARGIN tokens at its end). A text that passes is still tokenized whole."""
     limit = HEAD_CHARS_PER_TOKEN * max_model_len
-    if len(text) > limit:
-        head = tok.encode(text[:limit], True)
-        if len(head) > max_model_len + HEAD_MARGIN:
-            raise ApiError(400, f"This model's maximum context length is {max_model_len} "
-                           f"tokens. However, the prompt has more than "
-                           f"{len(head) - HEAD_MARGIN} tokens in its first {limit} characters "
-                           f"alone ({len(text)} in all). Please reduce the length of the "
-                           "prompt.", param="prompt", code="context_length_exceeded")
-    return tok.encode(text, True)
+    if len(text) <= limit:
+        return
+    head = tok.encode(text[:limit], add_special_tokens)
+    if len(head) > max_model_len + HEAD_MARGIN:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, {what} has more than {len(head) - HEAD_MARGIN} tokens in its "
+                       f"first {limit} characters alone ({len(text)} in all). Please reduce "
+                       f"the length of {what}.", param=param, code="context_length_exceeded")
+
+
+def text_chars(obj: Any) -> int:
+    """Characters in every string of a JSON-like value (keys included): what rendering it
+    into a chat template puts into the text, give or take the template's own."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(len(k) + text_chars(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(map(text_chars, obj))
+    return 0
 
 
 async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool) -> list[int]:
@@ -479,11 +503,25 @@ async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool
     if req.tools:
         kwargs["tools"] = req.tools
     messages = req.template_messages()
-    run = partial(tok.encode_chat, messages, req.add_generation_prompt, **kwargs)
+    run = partial(bounded_chat, tok, messages, req.add_generation_prompt, kwargs,
+                  st.max_model_len)
     try:
         return await asyncio.to_thread(run) if offload else run()
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+
+
+def bounded_chat(tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 kwargs: dict[str, Any], max_model_len: int) -> list[int]:
+    """The chat's ids, its work bounded by the context as :func:`encode_bounded` bounds a
+    prompt's: a chat whose strings are far longer than the context is rendered and only a
+    head of the rendered text tokenized first (rendering is cheap; tokenizing holds the GIL).
+    The head keeps special-token text as control tokens, so it counts no more tokens than
+    the full encoding does (within the cut's margin)."""
+    if text_chars(messages) + text_chars(kwargs) > HEAD_CHARS_PER_TOKEN * max_model_len:
+        text = tok.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        check_head(tok, text, max_model_len, False, "messages", "the rendered chat")
+    return tok.encode_chat(messages, add_generation_prompt, **kwargs)
 
 
 def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
@@ -683,7 +721,7 @@ async def completions(request: Request) -> Response:
     inbound = await read_request(request, st, CompletionRequest)
     req = inbound.req
     prompts = req.prompts()
-    check_batch(st, prompts, req.best_of or req.n)
+    check_batch(st, prompts, req.best_of or req.n, "best_of" if req.best_of else "n")
     ids = await encode_prompts(st, prompts, inbound.offload)
     params = await constrain(st, req, [sampling(st, req, len(p)) for p in ids])
     if req.echo and st.tokenizer is None and any(isinstance(p, list) for p in prompts):
@@ -753,7 +791,9 @@ async def tokenize(request: Request) -> dict[str, Any]:
         req.check_supported()
         ids = await encode_chat(st, req, offload=True)
     else:
-        ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        # bounded as a completion's prompt: a huge one is refused after a context's worth
+        ids = await asyncio.to_thread(encode_bounded, tok, req.prompt, st.max_model_len,
+                                      req.add_special_tokens)
     return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids,
             "token_strs": [tok.token_str(t) for t in ids] if req.return_token_strs else None}
 

@@ -291,7 +291,7 @@ _PROMPT_SCHEMA = {"anyOf": [
 class CompletionRequest(_Common):
     prompt: Any = Field(None, json_schema_extra=_PROMPT_SCHEMA)
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's and vLLM's default
-    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # sequences per prompt, as n
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
