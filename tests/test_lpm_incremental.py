@@ -183,9 +183,10 @@ def test_incremental_order_equals_the_full_pass(seed: int, aging: float) -> None
 
 @pytest.mark.parametrize("seed", range(4))
 def test_many_changes_at_once_take_the_sort_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past a few key changes a pass filters and sorts the whole ranking instead of moving
-    keys one by one; at these queue sizes only a lowered threshold gets there."""
-    monkeypatch.setattr(policies, "_BISECT_MAX", 1)
+    """Past a few key changes a pass filters and merges the whole ranking instead of moving
+    keys one by one; at these queue sizes only a lowered threshold gets there (here every
+    change, a forget's included, takes that path)."""
+    monkeypatch.setattr(policies, "_BISECT_MAX", -(10**9))
     _run(seed, 4.0, fcfs_fallback=None)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
@@ -106,13 +106,13 @@ class AgedPrefixOrder(OrderPolicy):
 # a rank key: (aging x since - cached, arrival time, queue sequence, request); ascending is
 # first, and the sequence is unique, so a comparison never reaches the request
 _Key = tuple[float, float, int, Request]
-_REQUEST_ID = attrgetter("request_id")
 _OUTPUT = attrgetter("output_token_ids")
 _KEY_REQUEST = itemgetter(3)
 _FLOAT_BITS = 53  # significand of a binary64
-# up to this many key changes in a pass, each is a binary search and a move of the list's
-# tail (a few microseconds); past it, one filter and one sort of the whole list are cheaper
-_BISECT_MAX = 128
+# key changes in a pass are placed one by one (a binary search and a move of the list's
+# tail, ~2 us each) up to this many plus a quarter of the ranking; past that, one filter and
+# one merge of the whole list (~0.6 us per key) are cheaper
+_BISECT_MAX = 64
 
 
 @dataclass(slots=True)
@@ -120,7 +120,7 @@ class _Ranked:
     """A waiting request's place in the incremental LPM ranking."""
 
     req: Request
-    num_output: int  # output tokens when ranked (more, on a retracted request: match anew)
+    num_output: int  # output tokens when last scored (more, on a retracted request)
     key: _Key
     # where its walk stopped, and the key of the page it missed there (None: the walk ended
     # at ``node``): only a change at that spot of the tree can change its match
@@ -134,12 +134,40 @@ class _Ranking:
     that joined, left, or whose match may have changed."""
 
     keys: list[_Key] = field(default_factory=list)  # sorted: the order of the last pass
+    order: list[Request] = field(default_factory=list)  # the keys' requests, in that order
     entries: dict[str, _Ranked] = field(default_factory=dict)
-    members: set[tuple[str, int]] = field(default_factory=set)  # (id, output tokens) ranked
+    members: set[Request] = field(default_factory=set)  # the requests ranked
+    num_output: int = 0  # their output tokens, when last scored
     queue: list[Request] = field(default_factory=list)  # the last pass's queue, in order
-    gone: set[Request] = field(default_factory=set)  # ranked then, not any more (forgotten)
+    gone: set[Request] = field(default_factory=set)  # ranked then, not any more
     next_seq: int = 0  # a request that joins at the queue's tail gets the next sequence
     max_step: int = 0  # largest |step| or |since| ranked: bounds the keys' magnitude
+
+    def place(self, removed: list[_Key], added: list[_Key]) -> None:
+        """Take ``removed`` out of the sorted keys and put ``added`` in, requests alongside."""
+        keys, order = self.keys, self.order
+        if len(removed) + len(added) <= _BISECT_MAX + len(keys) // 4:
+            for k in removed:
+                i = bisect_left(keys, k)
+                assert keys[i] is k, "a rank key must be in the ranking it leaves"
+                del keys[i], order[i]
+            for k in added:
+                i = bisect_right(keys, k)
+                keys.insert(i, k)
+                order.insert(i, k[3])
+            return
+        if removed:
+            dead = {k[2] for k in removed}  # sequences are unique: no tuple hashing
+            keys = [k for k in keys if k[2] not in dead]
+        added.sort()
+        keys.extend(added)
+        keys.sort()  # two sorted runs: Timsort merges them in one sweep
+        self.keys, self.order = keys, list(map(_KEY_REQUEST, keys))
+
+    def rebuild(self) -> None:
+        """Sort every entry's key afresh (after the sequences were renumbered)."""
+        self.keys = sorted(e.key for e in self.entries.values())
+        self.order = list(map(_KEY_REQUEST, self.keys))
 
 
 def _keys_exact(aging: float, max_step: int, max_cached: int) -> bool:
@@ -157,23 +185,6 @@ def _keys_exact(aging: float, max_step: int, max_cached: int) -> bool:
     product_bits = abs(num).bit_length() + max_step.bit_length() + 1
     cached_bits = max_cached.bit_length() + den.bit_length() - 1
     return max(product_bits, cached_bits) + 1 <= _FLOAT_BITS
-
-
-def _apply(keys: list[_Key], removed: list[_Key], added: list[_Key]) -> list[_Key]:
-    """``keys`` (sorted) without ``removed`` and with ``added``, still sorted."""
-    if len(removed) + len(added) <= _BISECT_MAX:
-        for k in removed:
-            i = bisect_left(keys, k)
-            assert keys[i] is k, "a rank key must be in the ranking it leaves"
-            del keys[i]
-        for k in added:
-            insort(keys, k)
-        return keys
-    if removed:
-        keys = list(filterfalse(set(removed).__contains__, keys))
-    keys.extend(added)
-    keys.sort()  # Timsort merges the sorted rest with the sorted run of new keys
-    return keys
 
 
 class LongestPrefixMatch(AgedPrefixOrder):
@@ -250,7 +261,7 @@ class LongestPrefixMatch(AgedPrefixOrder):
         rk = self._ranking
         key = self._unrank(req.request_id)
         if key is not None:
-            rk.keys = _apply(rk.keys, [key], [])
+            rk.place([key], [])
             if not rk.entries:  # the queue emptied: hold no finished request until it refills
                 rk.queue, rk.gone = [], set()
 
@@ -258,14 +269,11 @@ class LongestPrefixMatch(AgedPrefixOrder):
     def _rank(self, waiting: list[Request], step: int) -> Iterator[Request]:
         rk = self._ranking
         rk.max_step = max(rk.max_step, abs(step))
-        # (id, output tokens): a request retracted and back with more tokens is a new member
-        members = set(zip(map(_REQUEST_ID, waiting), map(len, map(_OUTPUT, waiting)), strict=True))
-        if len(members) < len(waiting) or not _keys_exact(self.aging, rk.max_step, self._max_cached):
-            self._reset_ranking()  # rebuilt from scratch on a pass where it applies
-            return super()._rank(waiting, step)
-        removed = [k for rid, _ in rk.members - members if (k := self._unrank(rid)) is not None]
-        num_joined = len(members - rk.members)
-        rk.members = members
+        queued = set(waiting)
+        if len(queued) < len(waiting) or not self._exact():
+            return self._full_pass(waiting, step)  # a request queued twice, or inexact keys
+        removed = [k for r in rk.members - queued if (k := self._unrank(r.request_id)) is not None]
+        num_joined = len(queued) - len(rk.members)
         rebuild = not self._kept_queue_order(waiting, num_joined)
         if rebuild:
             # reordered, or joined other than at the tail (not the scheduler's append and
@@ -274,8 +282,11 @@ class LongestPrefixMatch(AgedPrefixOrder):
         else:
             tail = waiting[len(waiting) - num_joined:]
             joined = list(zip(tail, range(rk.next_seq, rk.next_seq + num_joined), strict=True))
+        if any(req.request_id in rk.entries for req, _ in joined):
+            return self._full_pass(waiting, step)  # two request objects under one id
+        rk.members = queued
         added: list[_Key] = []
-        for rid in self._drain_changes():
+        for rid in self._drain_changes() | self._grown(waiting, joined):
             entry = rk.entries[rid]
             key = self._rescore(entry, step)
             if key != entry.key:  # else the ranked tuple stays: removal finds it by identity
@@ -283,19 +294,23 @@ class LongestPrefixMatch(AgedPrefixOrder):
                     removed.append(entry.key)
                     added.append(key)
                 entry.key = key
-        for req, seq in joined:
-            key = self._join(req, step, seq)
-            if not rebuild:
-                added.append(key)
-        if not _keys_exact(self.aging, rk.max_step, self._max_cached):  # a since beyond the steps seen
-            self._reset_ranking()
-            return super()._rank(waiting, step)
+        added.extend(self._join(req, step, seq) for req, seq in joined)
+        if not self._exact():  # a since beyond the steps seen (set by a direct cached_tokens)
+            return self._full_pass(waiting, step)
         if rebuild:
-            rk.keys = sorted(e.key for e in rk.entries.values())
+            rk.rebuild()
         else:
-            rk.keys = _apply(rk.keys, removed, added)
+            rk.place(removed, added)
         rk.queue, rk.gone = list(waiting), set()
-        return iter(list(map(_KEY_REQUEST, rk.keys)))
+        return iter(rk.order.copy())  # a copy: the caller may forget requests as it goes
+
+    def _exact(self) -> bool:
+        return _keys_exact(self.aging, self._ranking.max_step, self._max_cached)
+
+    def _full_pass(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        """Today's full pass; the ranking is rebuilt from scratch on a pass where it applies."""
+        self._reset_ranking()
+        return super()._rank(waiting, step)
 
     def _kept_queue_order(self, waiting: list[Request], num_joined: int) -> bool:
         """Whether the requests ranked in the last pass are the head of ``waiting``, in the
@@ -313,11 +328,10 @@ class LongestPrefixMatch(AgedPrefixOrder):
         joined = []
         for i, req in enumerate(waiting):
             entry = rk.entries.get(req.request_id)
-            if entry is None:
+            if entry is None or entry.req is not req:
                 joined.append((req, i))
-                continue
-            entry.req = req
-            entry.key = (entry.key[0], req.arrival_time, i, req)
+            else:
+                entry.key = (entry.key[0], req.arrival_time, i, req)
         rk.next_seq = max(rk.next_seq, len(waiting))
         return joined
 
@@ -337,6 +351,17 @@ class LongestPrefixMatch(AgedPrefixOrder):
         self._watch.changed.clear()
         return dirty
 
+    def _grown(self, waiting: list[Request], joined: list[tuple[Request, int]]) -> set[str]:
+        """Ids of the ranked requests whose tokens grew while they stayed queued. The
+        scheduler's never do (only a running request decodes, and a retracted one was
+        forgotten when admitted), so one C-level total says so; outputs only grow, so an
+        unchanged total means none grew."""
+        rk = self._ranking
+        total = sum(map(len, map(_OUTPUT, waiting))) - sum(len(r.output_token_ids) for r, _ in joined)
+        if total == rk.num_output:
+            return set()
+        return {rid for rid, e in rk.entries.items() if len(e.req.output_token_ids) != e.num_output}
+
     def _join(self, req: Request, step: int, seq: int) -> _Key:
         """Rank a request that joined the queue; returns its key."""
         rk = self._ranking
@@ -346,20 +371,25 @@ class LongestPrefixMatch(AgedPrefixOrder):
         key = (self.aging * since - cached, req.arrival_time, seq, req)
         entry = _Ranked(req, len(req.output_token_ids), key, st.node, st.missing)
         rk.entries[req.request_id] = entry
+        rk.num_output += entry.num_output
         rk.next_seq = max(rk.next_seq, seq + 1)
         rk.max_step = max(rk.max_step, abs(since))
         self._file(entry)
         return key
 
     def _rescore(self, entry: _Ranked, step: int) -> _Key:
-        """Score a ranked request again (the tree changed where its walk stopped) and watch
-        where its walk stops now; returns its key (the caller puts it in place)."""
-        req = entry.req
+        """Score a ranked request again (the tree changed where its walk stopped, or its
+        tokens grew) and watch where its walk stops now; returns its key (the caller puts
+        it in place)."""
+        rk, req = self._ranking, entry.req
         self._unfile(entry)
         since = self._since.setdefault(req.request_id, step)
         cached = self.cached_tokens(req, step)
         st = self._state[req.request_id]
         entry.node, entry.missing = st.node, st.missing
+        num_output = len(req.output_token_ids)
+        rk.num_output += num_output - entry.num_output
+        entry.num_output = num_output
         self._file(entry)
         return (self.aging * since - cached, req.arrival_time, entry.key[2], req)
 
@@ -371,7 +401,8 @@ class LongestPrefixMatch(AgedPrefixOrder):
         if entry is None:
             return None
         self._unfile(entry)
-        rk.members.discard((rid, entry.num_output))
+        rk.members.discard(entry.req)
+        rk.num_output -= entry.num_output
         rk.gone.add(entry.req)
         return entry.key
 
