@@ -5,10 +5,10 @@ per-request radix walk of the common implementation.
 Agent-shaped queue: 16 shared system prompts of 2K tokens, each waiting request extends one
 with its own history (512-4K tokens), all over a warm prefix cache (half of the histories
 cached too). Each order runs on its own copy of the queue and tree, built from one seed and
-changed identically, so neither walks a tree the other has just warmed; the two must give
-the same order on every pass. Tree lookups per pass are printed too: a request that joins
-the queue is walked once by either order, and that walk is most of a pass where many join.
-Scenarios:
+changed identically, one after the other (one copy in memory at a time: two would crowd
+the caches and slow both), and the two must give the same order on every pass. Tree lookups
+per pass are printed too: a request that joins the queue is walked once by either order,
+and that walk is most of a pass where many join. Scenarios:
 
 - ``unchanged``: the queue and the tree as they were at the last pass;
 - ``steady``: between passes, 8 requests admitted from the head (their prompts cached as
@@ -26,6 +26,7 @@ distorts least.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -60,6 +61,9 @@ class World:
     kv: KVCacheManager = field(init=False)
     lpm: LongestPrefixMatch = field(init=False)
     waiting: list[Request] = field(default_factory=list)
+    # admitted requests live on (as running ones do in the engine): freeing their tokens is
+    # no part of a pass
+    running: list[Request] = field(default_factory=list)
     step: int = 0
 
     def __post_init__(self) -> None:
@@ -88,6 +92,7 @@ class World:
             self.waiting.remove(req)
             self.lpm.forget(req)
             _cache(self.kv, f"ran-{req.request_id}", req.prompt_token_ids)
+            self.running.append(req)
 
     def timed_pass(self) -> tuple[float, int, list[str]]:
         """One pass at the next step: seconds, tree lookups, the order (request ids)."""
@@ -97,36 +102,6 @@ class World:
         ranked = list(self.lpm.order(self.waiting, self.step))
         elapsed = time.perf_counter() - t0
         return elapsed, self.lpm.lookups - lookups, [r.request_id for r in ranked]
-
-
-@dataclass
-class Pair:
-    """The two orders on their twin worlds, changed alike."""
-
-    old: World
-    new: World
-
-    def both(self, change: Callable[[World], None]) -> None:
-        change(self.old)
-        change(self.new)
-
-    def timed_pass(self) -> tuple[float, float, int, int]:
-        """(old s, new s, old lookups, new lookups) of one pass each; which goes first
-        alternates (the machine's caches)."""
-        first, second = (self.old, self.new) if self.old.step % 2 else (self.new, self.old)
-        a, b = first.timed_pass(), second.timed_pass()
-        assert a[2] == b[2], f"the orders differ at step {self.old.step}"
-        o, n = (a, b) if first is self.old else (b, a)
-        return o[0], n[0], o[1], n[1]
-
-
-def _passes(pair: Pair, passes: int, change: Callable[[World], None],
-            pick: Callable[[list[float]], float]) -> tuple[float, ...]:
-    runs = []
-    for _ in range(passes):
-        pair.both(change)
-        runs.append(pair.timed_pass())
-    return tuple(pick([r[i] for r in runs]) for i in range(4))
 
 
 def _unchanged(w: World) -> None:
@@ -146,6 +121,44 @@ def _burst(w: World) -> None:
     w.kv.evict(4 * n)
 
 
+@dataclass
+class Scenario:
+    name: str
+    passes: int
+    change: Callable[[World], None]  # what happens before each pass
+
+
+@dataclass
+class Run:
+    """One order through every scenario: per scenario (seconds, lookups) of each pass, and
+    the order every pass gave (request ids)."""
+
+    times: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    orders: list[list[str]] = field(default_factory=list)
+    plain_walk_s: float | None = None
+
+
+def run_order(incremental: bool, n: int, page_size: int, scenarios: list[Scenario],
+              plain_walk: bool) -> Run:
+    """Build the queue and the tree from the seed, then time this order's passes."""
+    w = World(page_size, seed=n, incremental=incremental)
+    w.arrive(n)
+    w.timed_pass()  # first sight: every request is walked once
+    run = Run()
+    for sc in scenarios:
+        run.times[sc.name] = []
+        for _ in range(sc.passes):
+            sc.change(w)
+            elapsed, lookups, order = w.timed_pass()
+            run.times[sc.name].append((elapsed, lookups))
+            run.orders.append(order)
+    if plain_walk:
+        t0 = time.perf_counter()
+        plain_radix_walk_order(w.kv, w.waiting)
+        run.plain_walk_s = time.perf_counter() - t0
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[128, 1024, 4096])
@@ -155,24 +168,24 @@ def main() -> None:
     ap.add_argument("--no-plain-walk", action="store_true", help="skip the slow plain-walk column")
     args = ap.parse_args()
     pick = min if args.min else statistics.median
+    scenarios = [Scenario("unchanged", args.repeats, _unchanged),
+                 Scenario("steady", 4 * args.repeats, _steady),
+                 Scenario("burst", args.repeats, _burst)]
     print(f"{'waiting':>8} {'scenario':>10} {'old LPM (ms)':>13} {'new LPM (ms)':>13} "
           f"{'speed-up':>9} {'lookups old/new':>16} {'plain walk (ms)':>16}")
     for n in args.sizes:
-        pair = Pair(*(World(args.page_size, seed=n, incremental=inc) for inc in (False, True)))
-        pair.both(lambda w: w.arrive(n))  # noqa: B023
-        pair.timed_pass()  # first sight: every request is walked once, by each order
-        rows = [(name, _passes(pair, reps, change, pick)) for name, reps, change in
-                [("unchanged", args.repeats, _unchanged), ("steady", 4 * args.repeats, _steady),
-                 ("burst", args.repeats, _burst)]]
-        walk = ""
-        if not args.no_plain_walk:
-            t0 = time.perf_counter()
-            plain_radix_walk_order(pair.old.kv, pair.old.waiting)
-            walk = f"{1e3 * (time.perf_counter() - t0):.2f}"
-        for name, (t_old, t_new, l_old, l_new) in rows:
-            print(f"{n:>8} {name:>10} {1e3 * t_old:>13.2f} {1e3 * t_new:>13.2f} "
-                  f"{t_old / t_new:>8.1f}x {f'{l_old:.0f}/{l_new:.0f}':>16} "
-                  f"{walk if name == 'unchanged' else '':>16}")
+        old = run_order(False, n, args.page_size, scenarios, not args.no_plain_walk)
+        gc.collect()  # one world in memory at a time: the other's pages would crowd the caches
+        new = run_order(True, n, args.page_size, scenarios, False)
+        gc.collect()
+        for i, (a, b) in enumerate(zip(old.orders, new.orders, strict=True)):
+            assert a == b, f"{n} waiting: the orders differ at pass {i}"
+        for sc in scenarios:
+            t_old, l_old = (pick(x) for x in zip(*old.times[sc.name], strict=True))
+            t_new, l_new = (pick(x) for x in zip(*new.times[sc.name], strict=True))
+            walk = f"{1e3 * old.plain_walk_s:.2f}" if old.plain_walk_s and sc.name == "unchanged" else ""
+            print(f"{n:>8} {sc.name:>10} {1e3 * t_old:>13.2f} {1e3 * t_new:>13.2f} "
+                  f"{t_old / t_new:>8.1f}x {f'{l_old:.0f}/{l_new:.0f}':>16} {walk:>16}")
 
 
 if __name__ == "__main__":
