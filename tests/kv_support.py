@@ -1,10 +1,12 @@
 """Test-only helpers over the KV cache manager: commit-then-release, pages held, emptying
-the prefix cache, and the plain radix walk that the incremental LPM order is checked (and
-benchmarked, benchmarks/scheduler_overhead.py) against."""
+the prefix cache, and the two references the incremental LPM order is checked (and
+benchmarked, benchmarks/scheduler_overhead.py) against: the plain radix walk, and the LPM
+pass that scores every waiting request afresh."""
 
 from __future__ import annotations
 
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.policies import AgedPrefixOrder, LongestPrefixMatch
 from hlserve.request import Request
 
 
@@ -32,3 +34,11 @@ def plain_radix_walk_order(kv: KVCacheManager, waiting: list[Request]) -> list[R
                r.arrival_time, i)
               for i, r in enumerate(waiting)]
     return [waiting[i] for _, _, i in sorted(scored)]
+
+
+class FullPassLPM(LongestPrefixMatch):
+    """LPM as it ranked before its ranking was incremental: each pass scores every waiting
+    request (resuming its walk where the last one stopped) and sorts them all. The order
+    ``LongestPrefixMatch`` must give, pass by pass (tests/test_lpm_incremental.py)."""
+
+    _rank = AgedPrefixOrder._rank

@@ -52,6 +52,22 @@ class Node:
         # looking again until this changes (LPM at thousands waiting)
 
 
+@dataclass(slots=True)
+class TreeWatch:
+    """Spots of the tree that a reader (the LPM order) keeps results about, so that it
+    re-reads only those that changed instead of every spot on every pass.
+
+    ``at[node][key]`` holds whatever the reader files under "``node`` has no child ``key``"
+    (request ids whose walk missed there); ``at[node][None]`` under "a walk ended at
+    ``node``". The tree adds ``(node, key)`` to ``changed`` when that child is added, and
+    ``(node, None)`` when a watched node is evicted; the reader empties ``changed`` when it
+    looks. Only watched spots are recorded, so ``changed`` stays small however long the
+    reader does not look."""
+
+    at: dict[Node, dict[tuple | None, set[str]]] = field(default_factory=dict)
+    changed: set[tuple[Node, tuple | None]] = field(default_factory=set)
+
+
 @dataclass
 class SeqPages:
     """Pages of one live request: ``pages[:len(nodes)]`` are tree pages it references."""
@@ -72,6 +88,7 @@ class KVCacheManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out 0 first
         self._lru: OrderedDict[Node, None] = OrderedDict()  # unreferenced tree nodes, oldest first
         self._seqs: dict[str, SeqPages] = {}
+        self._watches: list[TreeWatch] = []
         self.num_tree_nodes = 0
         # counters for metrics: prefix-cache queries and hits, in tokens (vLLM's meaning)
         self.prefix_queries = 0
@@ -134,6 +151,20 @@ class KVCacheManager:
             out.append(child)
             node = child
         return out
+
+    def watch(self) -> TreeWatch:
+        """A new watch over this tree (see ``TreeWatch``); it lives as long as the tree."""
+        w = TreeWatch()
+        self._watches.append(w)
+        return w
+
+    def _notify(self, node: Node, key: tuple | None) -> None:
+        """``node`` gained child ``key`` (None: ``node`` was evicted): tell the watches that
+        watch that spot."""
+        for w in self._watches:
+            spots = w.at.get(node)
+            if spots is not None and (key is None or key in spots):
+                w.changed.add((node, key))
 
     # ---- state changes ---------------------------------------------------------------------
     def admit(self, req_id: str, tokens: list[int], max_cached_tokens: int,
@@ -198,6 +229,8 @@ class KVCacheManager:
                 node = Node(seq.pages[i], key, parent, 1)
                 parent.children[key] = node
                 parent.version += 1
+                if self._watches:
+                    self._notify(parent, key)
                 self.num_tree_nodes += 1
             else:
                 # Another request computed the same page first: share its copy, free ours.
@@ -226,6 +259,8 @@ class KVCacheManager:
             assert node.parent is not None
             del node.parent.children[node.key]
             node.evicted = True
+            if self._watches:
+                self._notify(node, None)
             self._free.append(node.page)
             self.num_tree_nodes -= 1
             evicted += 1
