@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                        "prefill_attention.cpp", "fused_ops.cpp")]
+_HEADERS = [_CSRC / "avx512_math.h"]  # included by the sources: part of the build's key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -61,7 +62,7 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     """Where this machine's build lives (``HLSERVE_KERNEL_CACHE`` or ~/.cache/hlserve)."""
-    texts = [src.read_text() for src in _SOURCES]
+    texts = [src.read_text() for src in [*_SOURCES, *_HEADERS]]
     key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(),
                                     " ".join(_FLAGS)]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HLSERVE_KERNEL_CACHE")

@@ -66,7 +66,7 @@ class TorchRunner(Runner):
         self.prefill_path = self._prefill_path(mc.head_dim)
         if self.prefill_path == "cpu_kernel":
             # decodes ride in the prefill kernel's call as chunks of one query: its bf16 dot
-            # products beat the fp32 decode kernel by ~1.25x on one layer (docs/bench.md)
+            # products beat the fp32 decode kernel by ~1.4x on one layer (docs/bench.md)
             self.decode_path = "prefill_kernel"
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
