@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 
 from hlserve.sim.cli import main as sim_main
@@ -78,3 +80,77 @@ def test_small_study_resumes_and_reports(tmp_path) -> None:
     assert "sarathi C=B=512" in (tmp_path / "table.md").read_text()
     assert Point("sglang", None, 32768, 64).label == "sglang C=inf"
     assert sim_main(["study", "--report-only", "--out", str(tmp_path)]) == 0
+
+
+def _rounds(workload, index: int = 0) -> list[list[int]]:
+    sess, prompts = workload.make_session(index), []
+    while not sess.done:
+        prompt, out = sess.next_request()
+        prompts.append(prompt)
+        sess.complete([7] * out)
+    return prompts
+
+
+def test_agent_workload_without_prefix_reuse() -> None:
+    from hlserve.workloads import AgentWorkload
+
+    def common(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    kw = {"target": 32768, "sessions": 4, "seed": 3}
+    reuse = _rounds(AgentWorkload.for_context(**kw))
+    fresh = _rounds(AgentWorkload.for_context(**kw, prefix_reuse=False))
+    system = AgentWorkload.for_context(**kw).system_prompt_len
+    assert len(reuse) == len(fresh) >= 3
+    assert [len(p) for p in reuse] == [len(p) for p in fresh]  # paired: the same lengths
+    for a, b in itertools.pairwise(reuse):
+        assert b[:len(a)] == a  # each round extends the last
+    for a, b in itertools.pairwise(fresh):
+        # only the shared system prompt (and a chance id) is common to consecutive rounds
+        assert system <= common(a, b) < system + 4
+    assert fresh[0][:system] == reuse[0][:system]
+    other = _rounds(AgentWorkload.for_context(**kw, prefix_reuse=False), index=1)
+    assert system <= common(fresh[0], other[0]) < system + 4
+
+
+def test_stall_metrics_and_turnover() -> None:
+    from hlserve.driver.closed_loop import LoopResult
+    from hlserve.driver.records import RequestRecord
+    from hlserve.sim.study import stall_metrics, turnover_metrics
+
+    def rec(times: list[float]) -> RequestRecord:
+        return RequestRecord(request_id="r", start=0.0, end=times[-1], chunk_times=times,
+                             output_tokens=len(times), success=True)
+
+    recs = [rec([0.0, 0.01, 0.02, 1.02, 1.03]), rec([0.5, 0.52, 0.54]), rec([2.0])]
+    m = stall_metrics(recs)
+    gaps = [0.01, 0.01, 1.0, 0.01, 0.02, 0.02]
+    assert m["median_itl_ms"] == pytest.approx(1e3 * float(np.percentile(gaps, 50)))
+    assert m["p99_itl_ms"] == pytest.approx(1e3 * float(np.percentile(gaps, 99)))
+    assert m["max_longest_stall_ms"] == pytest.approx(1000.0)
+    assert m["median_longest_stall_ms"] == pytest.approx(1e3 * (1.0 + 0.02) / 2)
+    assert stall_metrics([])["p99_itl_ms"] is None
+    res = LoopResult(records=[], duration=1800.0, session_times=[1.0] * 3)
+    res.sessions_ended_in_window = 6
+    t = turnover_metrics(res, sessions=8)
+    assert t == {"sessions_ended_per_hour": 12.0, "turnover": 0.75, "transient": True}
+    res.sessions_ended_in_window = 16
+    assert turnover_metrics(res, sessions=8)["transient"] is False
+
+
+def test_sessions_ended_in_window_count_long_sessions() -> None:
+    """A session that starts before the window and ends inside it counts as ended there, but
+    not in ``session_times`` (which needs the whole session inside the window)."""
+    from hlserve.sim.build import build_sim_engine
+    from hlserve.sim.drive import run_agent_steady
+    from hlserve.workloads import AgentWorkload
+
+    engine = build_sim_engine("Qwen2.5-7B", "H100", 1, max_model_len=8192 + 4096, mode="throughput")
+    workload = AgentWorkload.for_context(8192, 8, rounds=3, vocab=(3, 4096))
+    res = run_agent_steady(engine, workload, duration=40.0, warmup=20.0, ramp=10.0,
+                           token_times=True)
+    assert res.sessions_ended_in_window > len(res.session_times) > 0
+    assert all(len(r.chunk_times) == r.output_tokens for r in res.records)

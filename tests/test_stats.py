@@ -157,3 +157,12 @@ def test_aggregate_of_one_repeat_keeps_the_values_and_gives_no_interval() -> Non
     out = aggregate([{"x": 3, "name": "a"}], [0])
     assert out["x"] == 3 and isinstance(out["x"], int) and out["x_ci95"] is None
     assert out["repeats"] == 1
+
+
+def test_aggregate_averages_a_later_metric_over_the_repeats_that_have_it() -> None:
+    # a study point's seed 0 stored before ITL was recorded, seeds 1 and 2 with it
+    out = aggregate([{"x": 1.0}, {"x": 3.0, "itl": 10.0}, {"x": 5.0, "itl": 20.0}], [0, 1, 2])
+    assert out["x"] == 3.0 and out["itl"] == 15.0
+    assert out["repeat_values"]["itl"] == [None, 10.0, 20.0]
+    lo, hi = out["itl_ci95"]
+    assert lo < 15.0 < hi

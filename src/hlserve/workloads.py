@@ -124,6 +124,10 @@ class AgentWorkload:
     vocab: tuple[int, int] = (3, 4096)  # ids drawn from [lo, hi): clear of special tokens
     seed: int = 0
     target_context: int | None = None  # a session's context grows up to this, then it ends
+    # False: every round's prompt after the shared system prompt is fresh ids of the length it
+    # would have had, so nothing of an earlier round is in the prefix cache (the paper's
+    # benchmark has little prefix reuse); the lengths drawn are the same as with reuse
+    prefix_reuse: bool = True
 
     def sessions_list(self) -> list[AgentSession]:
         return [self.make_session(i) for i in range(self.sessions)]
@@ -147,7 +151,8 @@ class AgentWorkload:
     @classmethod
     def for_context(cls, target: int, sessions: int, rounds: int = 8, system_prompt_len: int = 2048,
                     task_len: int = 256, output_mean: float = 200.0, seed: int = 0,
-                    vocab: tuple[int, int] = (3, 4096)) -> AgentWorkload:
+                    vocab: tuple[int, int] = (3, 4096), prefix_reuse: bool = True,
+                    ) -> AgentWorkload:
         """Sessions whose context grows from the system prompt to ``target`` over ``rounds``
         rounds: lognormal tool results (mean sized to reach the target) and outputs (mean
         ``output_mean``, as agent turns are short: FACTS.md's Mooncake tool&agent mean is 182)."""
@@ -156,7 +161,7 @@ class AgentWorkload:
             sessions=sessions, rounds=rounds, system_prompt_len=system_prompt_len,
             task_len=task_len, tool_output_len=Dist.lognormal(per_round, 0.6, 16, target),
             output_len=Dist.lognormal(output_mean, 0.6, 8, 2048), vocab=vocab, seed=seed,
-            target_context=target,
+            target_context=target, prefix_reuse=prefix_reuse,
         )
 
 
@@ -189,7 +194,17 @@ class AgentSession:
             if len(self.context) + tool + out + 64 >= w.target_context:
                 self.ended = True  # no room for another round after this one
         self.context = self.context + self.workload._ids(self.rng, tool)
+        if not w.prefix_reuse:
+            return self.fresh_prompt(), out
         return list(self.context), out
+
+    def fresh_prompt(self) -> list[int]:
+        """The system prompt, then fresh ids as long as the rest of the context: drawn from a
+        generator of their own (session, round), so the lengths the session draws are those
+        of the same session with reuse (a paired comparison)."""
+        w = self.workload
+        rng = random.Random((w.seed * 1_000_003 + self.session_id * 7919) * 131 + self.round + 7)
+        return self.system + w._ids(rng, len(self.context) - len(self.system))
 
     def complete(self, output_ids: list[int]) -> None:
         """Record the round's output; the next prompt extends this one with it."""

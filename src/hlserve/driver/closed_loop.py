@@ -100,6 +100,7 @@ class LoopResult(RunResult):
     errors: int = 0  # requests that failed (rejected, aborted, errored)
     sessions_failed: int = 0  # sessions a failed request ended
     sessions_started: int = 0
+    sessions_ended_in_window: int = 0  # ended inside the window, wherever they started
     stalled: bool = False  # the engine stopped scheduling anything with requests waiting
     stalled_at: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
@@ -207,6 +208,8 @@ class _Run:
                 self.submit(sess)
                 return
             started = self.session_start.pop(sess.session_id)
+            if self.w0 <= self.now() <= self.w1:
+                self.res.sessions_ended_in_window += 1
             if started >= self.w0 and self.now() <= self.w1:
                 self.res.session_times.append(self.now() - started)
         else:

@@ -75,7 +75,14 @@ def aggregate(results: Sequence[Mapping[str, Any]], seeds: Sequence[int] = ()) -
         return {"repeats": 0, "seeds": list(seeds)}
     out: dict[str, Any] = dict(results[0])
     values: dict[str, list[Any]] = {}
-    for key, first in results[0].items():
+    # every key of any repeat: a metric added after some repeats were stored is averaged over
+    # the repeats that have it (its values show which)
+    firsts: dict[str, Any] = {}
+    for r in results:
+        for key, v in r.items():
+            if firsts.get(key) is None:
+                firsts[key] = v
+    for key, first in firsts.items():
         if (not _numeric(first) and first is not None) or key.endswith("_ci95"):
             continue
         col = [r.get(key) for r in results]

@@ -166,6 +166,9 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=8, help="rounds per agent session")
     p.add_argument("--output-mean", type=float, default=200.0,
                    help="mean output tokens per round (lognormal)")
+    p.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                   help="no round's prompt reuses an earlier round's (fresh ids after the shared "
+                        "system prompt, same lengths): the paper's benchmark, with little reuse")
     p.add_argument("--out", default="study", help="output folder (per-point JSON, plots, table)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
     p.add_argument("--wall-limit", type=float, default=900.0, help="wall seconds per point at most")
@@ -186,7 +189,7 @@ def cmd_study(args: argparse.Namespace) -> None:
         sessions=tuple(ints(args.sessions)), systems=tuple(s for s in args.systems.split(",") if s),
         chunks=tuple(ints(args.chunks)) if args.chunks else None, duration=args.duration,
         warmup=args.warmup, rounds=args.rounds, output_mean=args.output_mean,
-        wall_limit=args.wall_limit, seed=args.seed,
+        prefix_reuse=args.prefix_reuse, wall_limit=args.wall_limit, seed=args.seed,
     )
     out = Path(args.out)
     if not args.report_only:

@@ -36,15 +36,17 @@ def _done(records: list[RequestRecord], session_times: list[float]) -> RunResult
 
 def run_agent_steady(engine: Engine, workload: AgentWorkload, duration: float,
                      warmup: float = 0.0, progress: bool = False,
-                     wall_limit: float | None = None, ramp: float = 0.0) -> LoopResult:
+                     wall_limit: float | None = None, ramp: float = 0.0,
+                     token_times: bool = False) -> LoopResult:
     """Closed loop at constant concurrency: ``workload.sessions`` sessions are always active;
     a session that ends is replaced by a new one (the next index), so the run reaches a
     steady state. The first sessions start evenly over ``ramp`` seconds (a fleet of agents
     ramps up; the engine sees light load first, as a server does after start-up). Requests
     are measured when they arrive after ``warmup`` and finish before ``warmup + duration``
-    (clock seconds from the start); see :class:`~hlserve.driver.closed_loop.Loop`."""
+    (clock seconds from the start); see :class:`~hlserve.driver.closed_loop.Loop`.
+    ``token_times`` keeps each token's time in the records (ITL, stalls)."""
     loop = Loop(duration=duration, warmup=warmup, replace_finished=True, ramp=ramp,
-                wall_limit=wall_limit)
+                wall_limit=wall_limit, token_times=token_times)
     return run_closed_loop(engine, workload.make_session, workload.sessions, loop,
                            progress=progress)
 

@@ -82,6 +82,7 @@ class StudySpec:
     warmup: float = 600.0
     rounds: int = 8
     output_mean: float = 200.0  # mean output tokens per round (Mooncake's tool&agent: 182)
+    prefix_reuse: bool = True  # False: no round's prompt reuses an earlier round's (workloads.py)
     wall_limit: float = 900.0
     seed: int = 0
     version: int = 3  # bump when a change invalidates stored points
@@ -89,7 +90,8 @@ class StudySpec:
     def fingerprint(self) -> dict[str, Any]:
         """What a stored point must agree on to be reused."""
         return {k: getattr(self, k) for k in ("hardware", "tp", "model", "duration", "warmup",
-                                               "rounds", "output_mean", "seed", "version")}
+                                               "rounds", "output_mean", "prefix_reuse", "seed",
+                                               "version")}
 
     def points(self) -> list[Point]:
         out = []
@@ -134,16 +136,18 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
     vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
     workload = AgentWorkload.for_context(point.context, point.sessions, rounds=spec.rounds,
                                          output_mean=spec.output_mean, vocab=(3, vocab_hi),
-                                         seed=spec.seed)
+                                         seed=spec.seed, prefix_reuse=spec.prefix_reuse)
     t = time.perf_counter()
     res = run_agent_steady(engine, workload, duration=spec.duration, warmup=spec.warmup,
-                           wall_limit=spec.wall_limit, ramp=spec.warmup / 2)
+                           wall_limit=spec.wall_limit, ramp=spec.warmup / 2, token_times=True)
     wall = time.perf_counter() - t
     s = res.summary() if res.records else {}
     runner = engine.runner
     metrics = {
         **s,
         **res.extra,
+        **stall_metrics(res.records),
+        **turnover_metrics(res, point.sessions),
         "sessions_per_hour": 3600 * len(res.session_times) / res.duration,
         "median_session_time_s": s.get("median_session_time_s", float("nan")),
         "retractions": engine.num_retractions,
@@ -167,6 +171,31 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
     }
 
 
+def stall_metrics(recs: list[records.RequestRecord]) -> dict[str, float | None]:
+    """What a per-request mean TPOT hides: the inter-token gaps pooled over the window's
+    requests (ITL median / p99, vLLM's names) and each request's longest gap, its stall
+    (median, p99 and max over requests), in ms."""
+    itl = [g for r in recs if r.success for g in r.itls]
+    longest = [max(r.itls) for r in recs if r.success and len(r.chunk_times) > 1]
+    out: dict[str, float | None] = {}
+    for name, values, hows in (("itl", itl, ("median", "p99")),
+                               ("longest_stall", longest, ("median", "p99", "max"))):
+        for how in hows:
+            v = (max(values) if values else None) if how == "max" else records.stat(values, how)
+            out[f"{how}_{name}_ms"] = None if v is None else 1e3 * v
+    return out
+
+
+def turnover_metrics(res: Any, sessions: int) -> dict[str, Any]:
+    """Session throughput that does not drop long sessions: every session that ended inside
+    the window counts, wherever it started (``sessions_per_hour`` counts only those that
+    started inside it too). ``turnover`` is sessions ended per concurrent slot over the window:
+    under 1, a session outlives the window and the point is a transient, not a steady state."""
+    ended = res.sessions_ended_in_window
+    return {"sessions_ended_per_hour": 3600 * ended / res.duration,
+            "turnover": ended / max(1, sessions), "transient": ended < sessions}
+
+
 def _worker(args: tuple[dict[str, Any], dict[str, Any], str]) -> str:
     spec_d, point_d, path = args
     spec = StudySpec(**{**spec_d, "contexts": tuple(spec_d["contexts"]),
@@ -179,7 +208,7 @@ def _worker(args: tuple[dict[str, Any], dict[str, Any], str]) -> str:
 
 # fingerprint fields added after points were stored: a stored point without one was made at
 # its default
-_LATER_FIELDS = {"output_mean": 200.0}
+_LATER_FIELDS = {"output_mean": 200.0, "prefix_reuse": True}
 
 
 def _done(path: Path, spec: StudySpec) -> bool:
