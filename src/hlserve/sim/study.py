@@ -426,7 +426,9 @@ def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, S
     sp.write_text(json.dumps(summary, indent=1))
     tp = out / "table.md"
     tp.write_text(markdown(groups, summary))
-    return [*paths, sp, tp]
+    from hlserve.sim.study_seeds import report as seeds_report
+
+    return [*paths, sp, tp, *seeds_report(out)]
 
 
 def _pct(x: float | None) -> str:
