@@ -49,7 +49,13 @@ def test_tax_per_seed_with_a_t_interval(tmp_path) -> None:
     strict = tax_over_seeds(by, 32768, (1000.0, 50.0))
     assert strict.values == (1.0, 1.0, 1.0) and strict.ci == pytest.approx((1.0, 1.0))
 
+    # the same SLO on ITL p99 (10x TPOT here): sglang's 800 ms gaps miss it in every seed
+    itl = tax_over_seeds(by, 32768, (2000.0, 100.0), tpot_key="p99_itl_ms")
+    assert itl.values == (1.0, 1.0, 1.0)
     s = summarize_seeds(by)
+    (prod,) = [t for t in s["taxes"] if t["tpot_p99_ms"] == 100.0]
+    assert prod["tax_itl"]["mean"] == 1.0 and prod["tax"]["mean"] == pytest.approx(tax.mean)
+    assert prod["best_meeting_points"] == ["sglang C=8192 @ 16"] * 3
     (gain,) = [c for c in s["components"] if c["against"] == "vs sglang C=8192"]
     assert gain["ratio"] == pytest.approx(sum(fast) / sum(meets))
     assert gain["within_noise"] is False and gain["ci95"][0] > 1

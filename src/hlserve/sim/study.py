@@ -316,14 +316,16 @@ def group(recs: Iterable[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str
 
 def human_tax(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
               systems: Iterable[str] | None = None, metric: str = METRIC,
+              tpot_key: str = "p99_tpot_ms",
               ) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
     """(tax, best point meeting the SLO, best point overall), by the one tax function
     (:func:`hlserve.driver.records.human_tax`); ``systems`` restricts the constrained choice
-    (e.g. SGLang's own configurations); NaN when no point has a throughput."""
+    (e.g. SGLang's own configurations); NaN when no point has a throughput. ``tpot_key``
+    puts another per-token latency in TPOT's place (``p99_itl_ms``: the gaps a stream shows)."""
     allowed = set(systems) if systems is not None else None
 
     def meets(r: dict[str, Any]) -> bool:
-        return (latency(r, "p99_ttft_ms") <= ttft_ms and latency(r, "p99_tpot_ms") <= tpot_ms
+        return (latency(r, "p99_ttft_ms") <= ttft_ms and latency(r, tpot_key) <= tpot_ms
                 and (allowed is None or r["point"]["system"] in allowed))
 
     tax, best_c, best_u = records.human_tax(recs, lambda r: throughput(r, metric), meets)
@@ -476,16 +478,19 @@ def markdown(groups: dict[tuple[int, int], list[dict[str, Any]]], summary: dict[
             f"{100 * comp[c]:+.1f}%" if c in comp else "-" for c in cols) + " |")
     lines += ["", "## All points", "",
               "| context | sessions | config | tokens/s (window) | output tok/s (window) | TTFT p50 / p99 (s) | "
-              "TPOT p50 / p99 (ms) | sessions/h | retractions | iterations (mixed) | wall s |",
+              "TPOT p50 / p99 (ms) | sessions/h ended | retractions | iterations (mixed) | wall s |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (ctx, n), rs in sorted(groups.items()):
         for r in sorted(rs, key=lambda r: -throughput(r)):
             m = r["metrics"]
             trunc = " (cut)" if m.get("truncated") else ""
+            trunc += " (transient)" if m.get("transient") else ""
+            # sessions ended in the window wherever they started, where the point has it
+            per_hour = m.get("sessions_ended_per_hour", m.get("sessions_per_hour", 0))
             lines.append(
                 f"| {ctx} | {n} | {r['label']}{trunc} | {throughput(r):.0f} | {throughput(r, 'window_output_throughput'):.0f} | "
                 f"{latency(r, 'median_ttft_ms') / 1e3:.2f} / {latency(r, 'p99_ttft_ms') / 1e3:.2f} | "
                 f"{latency(r, 'median_tpot_ms'):.0f} / {latency(r, 'p99_tpot_ms'):.0f} | "
-                f"{m.get('sessions_per_hour', 0):.0f} | {m.get('retractions', 0)} | "
+                f"{per_hour:.0f} | {m.get('retractions', 0)} | "
                 f"{m.get('iterations', 0)} ({m.get('mixed_iterations', 0)}) | {m.get('wall_s', 0):.0f} |")
     return "\n".join(lines) + "\n"

@@ -39,6 +39,10 @@ def merge_seeds(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         seeds = [r.get("spec", {}).get("seed", 0) for r in group]
         merged = dict(group[0])
         merged["metrics"] = aggregate([r["metrics"] for r in group], seeds)
+        # a flag is not averaged: transient in any seed is transient
+        for flag in ("transient", "truncated", "stalled"):
+            if any(r["metrics"].get(flag) for r in group):
+                merged["metrics"][flag] = True
         out.append(merged)
     return out
 
