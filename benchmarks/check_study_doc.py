@@ -342,6 +342,10 @@ def wall_times(s: Study) -> list[float]:
 RATCHET = system("hlserve-ratchet")
 
 
+def core_minutes(s: Study, sessions: tuple[int, ...]) -> float:
+    return sum(r["metrics"]["wall_s"] for r in s.recs if n_of(r) in sessions) / 60
+
+
 def ratchet_collapsed(r: Rec) -> bool:
     """The ratchet points whose budget collapsed: all but 8K/16."""
     return RATCHET(r) and (r["point"]["context"], n_of(r)) != (K8, 16)
@@ -580,8 +584,12 @@ CLAIMS: list[Claim] = [
                      pool(s, K64) / K32, pool(s, K64) / K64], ("round", "round", "floor", "floor")),
     Claim("main sweep points", "# the main sweep: {} points",
           lambda s: [sum(n_of(r) in (16, 64, 128) for r in s.recs)]),
+    Claim("main sweep wall time", "# {} core-minutes of stored wall time (~{} min with 2 jobs)",
+          lambda s: [core_minutes(s, (16, 64, 128)), core_minutes(s, (16, 64, 128)) / 2]),
     Claim("lower concurrency points", "lower and intermediate concurrency for the presets and "
           "throughput mode: {} points", lambda s: [sum(n_of(r) in (4, 8, 32) for r in s.recs)]),
+    Claim("lower concurrency wall time", "points, # {} core-minutes hlserve study",
+          lambda s: [core_minutes(s, (4, 8, 32))]),
 ]
 
 
