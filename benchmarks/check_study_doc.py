@@ -23,16 +23,19 @@ import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hlserve.sim.study import components, human_tax, latency, load_points, throughput
+from hlserve.sim.study_seeds import load_by_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "study.md"
 POINTS = ROOT / "docs" / "study" / "h20"
 OUT1000 = ROOT / "docs" / "study" / "h20-out1000"
+SEEDS = ROOT / "docs" / "study" / "h20-seeds"  # a subset of the grid over seeds 0-2 (section 7)
+NOREUSE = ROOT / "docs" / "study" / "h20-noreuse"  # the same without prefix reuse
 K8, K32, K64 = 8192, 32768, 65536
 PROD, STRICT = (2000.0, 100.0), (1000.0, 50.0)
 INF = math.inf
@@ -48,10 +51,14 @@ class Study:
 
     recs: list[Rec]
     long_out: list[Rec]  # h20-out1000: mean output 1,000 tokens
+    seeds: dict[int, list[Rec]] = field(default_factory=dict)  # h20-seeds, by seed
+    noreuse: dict[int, list[Rec]] = field(default_factory=dict)  # h20-noreuse, by seed
 
     @classmethod
-    def load(cls, points: Path = POINTS, long_out: Path = OUT1000) -> Study:
-        return cls(load_points(points), load_points(long_out))
+    def load(cls, points: Path = POINTS, long_out: Path = OUT1000, seeds: Path = SEEDS,
+             noreuse: Path = NOREUSE) -> Study:
+        return cls(load_points(points), load_points(long_out), load_by_seed(seeds),
+                   load_by_seed(noreuse))
 
     def at(self, ctx: int, n: int | None = None, where: Callable[[Rec], bool] | None = None,
            recs: list[Rec] | None = None) -> list[Rec]:

@@ -73,3 +73,17 @@ def test_one_seed_gives_no_seed_report_and_no_interval(tmp_path) -> None:
     tax = tax_over_seeds(load_by_seed(tmp_path), 32768, (2000.0, 100.0))
     assert tax.ci is None and tax.mean == 1.0
     assert not math.isnan(tax.mean)
+
+
+def test_a_seed_without_the_metric_does_not_count_as_a_full_tax(tmp_path) -> None:
+    recs = []
+    for s in range(3):
+        recs += [rec(s, "hlserve", None, 100.0, 500, 90), rec(s, "sglang", 8192, 80.0, 500, 5)]
+    for r in recs[:2]:  # seed 0 stored before ITL was recorded
+        del r["metrics"]["p99_itl_ms"]
+    write(tmp_path, recs)
+    itl = tax_over_seeds(load_by_seed(tmp_path), 32768, (2000.0, 100.0), tpot_key="p99_itl_ms")
+    # seeds 1 and 2: hlserve's gaps (900 ms) miss, sglang's (50 ms) meet: 20% each
+    assert math.isnan(itl.values[0]) and itl.values[1:] == pytest.approx((0.2, 0.2))
+    assert itl.mean == pytest.approx(0.2)
+    assert 0.0 <= itl.ci[0] <= itl.ci[1] <= 1.0

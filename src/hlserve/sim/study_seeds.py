@@ -13,6 +13,7 @@ points stored under every seed take part, so each seed's tax is over the same co
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +59,13 @@ class Interval:
     values: tuple[float, ...]
 
     @classmethod
-    def of(cls, values: Iterable[float]) -> Interval:
+    def of(cls, values: Iterable[float], bounds: tuple[float, float] | None = None) -> Interval:
+        """Mean and t interval of the finite ``values`` (a NaN: that seed has no value);
+        ``bounds`` clips the interval to what the quantity can be (a tax is in [0, 1])."""
         vs = tuple(values)
         m, ci = mean_ci(clean(vs))
+        if ci is not None and bounds is not None:
+            ci = (max(bounds[0], ci[0]), min(bounds[1], ci[1]))
         return cls(m, ci, vs)
 
     def pct(self) -> str:
@@ -81,8 +86,12 @@ def tax_over_seeds(by_seed: dict[int, list[Rec]], ctx: int, slo: tuple[float, fl
                    sessions: int | None = None, tpot_key: str = "p99_tpot_ms") -> Interval:
     """The tax at ``slo`` per seed (concurrency free when ``sessions`` is None); ``tpot_key``
     ``p99_itl_ms`` holds the stream's gaps, not its mean pace, to the per-token target."""
-    return Interval.of(human_tax(_at(recs, ctx, sessions), *slo, tpot_key=tpot_key)[0]
-                       for recs in by_seed.values())
+    def tax(recs: list[Rec]) -> float:
+        if not any(r["metrics"].get(tpot_key) is not None for r in recs):
+            return math.nan  # a seed stored before the metric was recorded: not a 100% tax
+        return human_tax(recs, *slo, tpot_key=tpot_key)[0]
+
+    return Interval.of((tax(_at(recs, ctx, sessions)) for recs in by_seed.values()), (0.0, 1.0))
 
 
 def best_over_seeds(by_seed: dict[int, list[Rec]], ctx: int, slo: tuple[float, float] | None,
