@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.sim.study import components, human_tax, latency, load_points, throughput
-from hlserve.sim.study_seeds import load_by_seed
+from hlserve.sim.study_seeds import Interval, key, load_by_seed, meets_in, tax_over_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "study.md"
@@ -342,6 +342,158 @@ def component_claims() -> list[Claim]:
     return out
 
 
+# ---- section 7: seeds, no prefix reuse, ITL, steady state ----------------------------------------
+
+
+def subset(by_seed: dict[int, list[Rec]], where: Callable[[Rec], bool],
+           seeds: Iterable[int] | None = None) -> dict[int, list[Rec]]:
+    keep = set(by_seed) if seeds is None else set(seeds)
+    return {k: [r for r in v if where(r)] for k, v in by_seed.items() if k in keep}
+
+
+def in_noreuse_grid(s: Study) -> Callable[[Rec], bool]:
+    """The points the no-reuse folder has (its first seed's), to compare like with like."""
+    first = next(iter(s.noreuse.values()), [])
+    have = {key(r) for r in first}
+    return lambda r: key(r) in have
+
+
+def seed_tax(by_seed: dict[int, list[Rec]], ctx: int, slo: tuple[float, float],
+             tpot_key: str = "p99_tpot_ms", sessions: int | None = None) -> Interval:
+    return tax_over_seeds(by_seed, ctx, slo, sessions=sessions, tpot_key=tpot_key)
+
+
+def pct_ci(iv: Interval) -> list[float]:
+    """Mean and half-width of a tax (%)."""
+    hw = 0.0 if iv.ci is None else max(iv.mean - iv.ci[0], iv.ci[1] - iv.mean)
+    return [100 * iv.mean, 100 * hw]
+
+
+def seed_values(by_seed: dict[int, list[Rec]], where: Callable[[Rec], bool], metric: str,
+                ) -> list[float]:
+    return [float(r["metrics"][metric]) for recs in by_seed.values() for r in recs
+            if where(r) and r["metrics"].get(metric) is not None]
+
+
+def at_cell(ctx: int, n: int, label: str | None = None) -> Callable[[Rec], bool]:
+    return lambda r: (r["point"]["context"] == ctx and n_of(r) == n
+                      and (label is None or r["label"] == label))
+
+
+def cached_share(by_seed: dict[int, list[Rec]], ctx: int) -> float:
+    """Prompt tokens served from the prefix cache (%), over the seeds' points at ``ctx``."""
+    cached = sum(r["metrics"].get("cached_tokens") or 0 for v in by_seed.values() for r in v
+                 if r["point"]["context"] == ctx)
+    prompt = sum(r["metrics"].get("total_input_tokens") or 0 for v in by_seed.values() for r in v
+                 if r["point"]["context"] == ctx)
+    return 100 * cached / prompt
+
+
+def split_share(ctx: int, reuse: bool, chunk_size: int = 8192, sessions: int = 500) -> float:
+    """Rounds (%) whose uncached prompt is longer than a chunk, from the workload generator:
+    with reuse a round's new tokens are its tool result (the rest is cached); without, all
+    but the shared system prompt."""
+    from hlserve.workloads import AgentWorkload
+
+    w = AgentWorkload.for_context(ctx, sessions, prefix_reuse=reuse)
+    split = total = 0
+    for i in range(sessions):
+        sess, cached = w.make_session(i), w.system_prompt_len
+        while not sess.done:
+            prompt, out = sess.next_request()
+            split += len(prompt) - cached > chunk_size
+            total += 1
+            sess.complete([7] * out)
+            cached = len(sess.context) if reuse else w.system_prompt_len
+    return 100 * split / total
+
+
+def turnovers(by_seed: dict[int, list[Rec]], where: Callable[[Rec], bool] = lambda r: True,
+              ) -> list[float]:
+    return seed_values(by_seed, where, "turnover")
+
+
+SLO_NAMES = {PROD: "2 s / 100 ms", STRICT: "1 s / 50 ms"}
+SEED_TAX_ROWS = ((K8, PROD), (K8, STRICT), (K32, PROD), (K32, STRICT), (K64, PROD))
+ITL_ROWS = ("throughput mode", "sglang C=8192", "vllm B=16384", "sarathi C=B=2048",
+            "sarathi C=B=512")
+
+
+def seed_tax_row(s: Study, ctx: int, slo: tuple[float, float]) -> list[float]:
+    iv = seed_tax(s.seeds, ctx, slo)
+    return [*pct_ci(iv), *(100 * v for v in iv.values)]
+
+
+def itl_row(s: Study, ctx: int, n: int, label: str) -> list[float]:
+    """TPOT p99 (seeds 0-2), ITL p99 and the longest stall's median and p99 (seeds 1-2)."""
+    w = at_cell(ctx, n, "hlserve" if label == "throughput mode" else label)
+    return [statistics.mean(seed_values(s.seeds, w, m)) for m in
+            ("p99_tpot_ms", "p99_itl_ms", "median_longest_stall_ms", "p99_longest_stall_ms")]
+
+
+def itl_spread(s: Study, ctx: int) -> float:
+    """How far apart (points) the seeds' ITL-based taxes at the production targets are."""
+    vs = [100 * v for v in seed_tax(s.seeds, ctx, PROD, "p99_itl_ms").values if math.isfinite(v)]
+    return max(vs) - min(vs)
+
+
+def edge_32(s: Study) -> list[float]:
+    """32K/32: TPOT p99 range of all but Sarathi's C = B <= 512, and those two's TTFT p99 (s)."""
+    small_ = lambda r: r["point"]["system"] == "sarathi" and (r["point"]["knob"] or INF) <= 512  # noqa: E731
+    cell = at_cell(K32, 32)
+    tpot = seed_values(s.seeds, lambda r: cell(r) and not small_(r), "p99_tpot_ms")
+    ttft = seed_values(s.seeds, lambda r: cell(r) and small_(r), "p99_ttft_ms")
+    return [min(tpot), max(tpot), min(ttft) / 1e3, max(ttft) / 1e3]
+
+
+def section7_claims() -> list[Claim]:
+    out = [
+        Claim("seeded points per seed", "`docs/study/h20-seeds/` ({} points per seed",
+              lambda s: [len(next(iter(s.seeds.values())))]),
+        Claim("seeded 32K tax", "The headline holds: 18% at 32K is {} ± {}% over seeds",
+              lambda s: pct_ci(seed_tax(s.seeds, K32, PROD))),
+        Claim("32K/32 edge", "every configuration but Sarathi's C = B ≤ 512 has TPOT p99 between "
+              "{} and {} ms in the three seeds, against the 100 ms target, and those two have "
+              "TTFT p99 of {}–{} s", edge_32, ("floor", "ceil", "floor", "ceil")),
+        Claim("32K/16 meets in every seed", "At 32K and 16 sessions throughput mode meets the pair "
+              "in all {} seeds", lambda s: [meets_in(s.seeds, (K32, 16, "hlserve", None), PROD)]),
+        Claim("seeds move throughput", "(32K, 32 sessions: {}K against {}K tok/s for seeds 0 and 1)",
+              lambda s: [kthr(next(r for r in s.seeds[i] if at_cell(K32, 32, "hlserve")(r)))
+                         for i in (0, 1)]),
+        Claim("stall at p99", "while a stream stalls for about {} s at its p99",
+              lambda s: [itl_row(s, K32, 16, "throughput mode")[3] / 1e3]),
+        Claim("small chunks bound the gaps", "(C = B = 512: ITL p99 {} ms)",
+              lambda s: [itl_row(s, K32, 16, "sarathi C=B=512")[1]]),
+        Claim("ITL taxes", "raises the tax at 8K from {}% to {}% (seeds 1 and 2 within {} "
+              "points), and at 32K from {}% to {}%",
+              lambda s: [pct_ci(seed_tax(s.seeds, K8, PROD))[0],
+                         pct_ci(seed_tax(s.seeds, K8, PROD, "p99_itl_ms"))[0],
+                         itl_spread(s, K8),
+                         pct_ci(seed_tax(s.seeds, K32, PROD))[0],
+                         pct_ci(seed_tax(s.seeds, K32, PROD, "p99_itl_ms"))[0]],
+              ("round", "round", "ceil", "round", "round")),
+        Claim("64K/128 transient", "With reuse only 64K at 128 sessions is one: turnover {}–{} "
+              "over the configurations and seeds, against at least {} everywhere else",
+              lambda s: [min(turnovers(s.seeds, at_cell(K64, 128))),
+                         max(turnovers(s.seeds, at_cell(K64, 128))),
+                         min(turnovers(s.seeds, lambda r: not at_cell(K64, 128)(r)))],
+              ("floor", "ceil", "floor")),
+        Claim("64K/128 session counts", "(sessions that started and ended inside the window) is "
+              "{}–{} for throughput mode, while {}–{} sessions ended per hour",
+              lambda s: [*span(seed_values(s.seeds, at_cell(K64, 128, "hlserve"), "sessions_per_hour")),
+                         *span(seed_values(s.seeds, at_cell(K64, 128, "hlserve"),
+                                           "sessions_ended_per_hour"))]),
+    ]
+    for ctx, slo in SEED_TAX_ROWS:
+        out.append(Claim(f"seeded tax {ctx // 1024}K {SLO_NAMES[slo]}",
+                         f"| {ctx // 1024}K | {SLO_NAMES[slo]} | {{}} ± {{}}% | {{}} / {{}} / {{}}% |",
+                         lambda s, c=ctx, o=slo: seed_tax_row(s, c, o)))
+    for label in ITL_ROWS:
+        out.append(Claim(f"ITL row {label}", f"| {label} | {{}} | {{}} | {{}} / {{}} |",
+                         lambda s, lb=label: itl_row(s, K32, 16, lb)))
+    return out
+
+
 def wall_times(s: Study) -> list[float]:
     return sorted(r["metrics"]["wall_s"] for r in s.recs)
 
@@ -598,6 +750,9 @@ CLAIMS: list[Claim] = [
     Claim("lower concurrency wall time", "points, # {} core-minutes hlserve study",
           lambda s: [core_minutes(s, (4, 8, 32))]),
 ]
+
+
+CLAIMS += section7_claims()
 
 
 def table(results: list[Result]) -> str:
