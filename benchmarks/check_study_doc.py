@@ -446,6 +446,98 @@ def edge_32(s: Study) -> list[float]:
     return [min(tpot), max(tpot), min(ttft) / 1e3, max(ttft) / 1e3]
 
 
+NOREUSE_SLOS = ((PROD, "2 s / 100 ms"), ((INF, 100.0), "TTFT free / 100 ms"),
+                ((INF, 200.0), "TTFT free / 200 ms"))
+GAIN_CELLS = ((K32, 16), (K32, 64), (K64, 16), (K64, 64))
+
+
+def reuse_like(s: Study) -> dict[int, list[Rec]]:
+    """The seeded points with reuse that the no-reuse folder also has, on its seeds."""
+    return subset(s.seeds, in_noreuse_grid(s), seeds=s.noreuse.keys())
+
+
+def noreuse_tax_row(s: Study, ctx: int, slo: tuple[float, float]) -> list[float]:
+    return [*pct_ci(seed_tax(reuse_like(s), ctx, slo)), *pct_ci(seed_tax(s.noreuse, ctx, slo))]
+
+
+def gain_pct(by_seed: dict[int, list[Rec]], ctx: int, n: int, base: tuple[str, int | None],
+             ours: tuple[str, int | None] = ("hlserve", None)) -> list[float]:
+    """Gain (%) of ``ours`` over ``base`` paired by seed, and its interval's ends."""
+    from hlserve.sim.study_seeds import gain_over_seeds
+
+    v = gain_over_seeds(by_seed, (ctx, n, *ours), (ctx, n, *base))
+    if v is None or v.ci is None:
+        raise ValueError(f"no paired gain at {ctx}/{n} over {base}")
+    return [100 * (v.ratio - 1), 100 * (v.ci[0] - 1), 100 * (v.ci[1] - 1)]
+
+
+def best_k(by_seed: dict[int, list[Rec]], ctx: int) -> float:
+    from hlserve.sim.study_seeds import best_over_seeds
+
+    return best_over_seeds(by_seed, ctx, None)[0].mean / 1e3
+
+
+def min_ttft_s(by_seed: dict[int, list[Rec]], ctx: int) -> float:
+    return min(seed_values(by_seed, lambda r: r["point"]["context"] == ctx, "p99_ttft_ms")) / 1e3
+
+
+def noreuse_claims() -> list[Claim]:
+    out = [
+        Claim("no-reuse seeds", "`docs/study/h20-noreuse/` holds the same configurations at 32K and "
+              "64K, 4–128 sessions, on seeds 0–{}", lambda s: [max(s.noreuse)]),
+        Claim("split shares", "a chunk of 8192 tokens splits {}% of rounds at 32K and {}% at 64K; "
+              "without it, {}% and {}%",
+              lambda s: [split_share(K32, True), split_share(K64, True), split_share(K32, False),
+                         split_share(K64, False)]),
+        Claim("cached shares", "The prefix cache serves {}% (32K) and {}% (64K) of prompt tokens "
+              "with reuse, {}% and {}% without",
+              lambda s: [cached_share(reuse_like(s), K32), cached_share(reuse_like(s), K64),
+                         cached_share(s.noreuse, K32), cached_share(s.noreuse, K64)]),
+        Claim("best throughput", "The best throughput falls from {}K to {}K tok/s at 32K and from "
+              "{}K to {}K at 64K",
+              lambda s: [best_k(reuse_like(s), K32), best_k(s.noreuse, K32),
+                         best_k(reuse_like(s), K64), best_k(s.noreuse, K64)]),
+        Claim("no-reuse saturation", "extra sessions add little: at 32K it is within {}% of its "
+              "best from 16 sessions on",
+              lambda s: [100 * (1 - min(best_k(subset(s.noreuse, lambda r: n_of(r) == n), K32)
+                                        for n in (16, 32, 64, 128)) / best_k(s.noreuse, K32))],
+              ("ceil",)),
+        Claim("two-stage vs prefill-first over seeds", "it gains what mixing itself gains, {}–{}% "
+              "with intervals that exclude zero",
+              lambda s: span(gain_pct(s.seeds, c, n, ("hlserve-prefill_first", None))[0]
+                             for c, n in GAIN_CELLS[:3])),
+        Claim("64K/200 ms with and without reuse", "a 200 ms target ({}% against {}%)",
+              lambda s: [noreuse_tax_row(s, K64, (INF, 200.0))[0],
+                         noreuse_tax_row(s, K64, (INF, 200.0))[2]]),
+        Claim("no-reuse TTFT floor", "TTFT p99 is at least {} s at 32K and {} s at 64K at every "
+              "concurrency, 4 sessions included", lambda s: [min_ttft_s(s.noreuse, K32),
+                                                             min_ttft_s(s.noreuse, K64)],
+              ("floor", "floor")),
+        Claim("greedy prefill proxy", "SGLang's C = 8192 against its unchunked prefill, paired by "
+              "seed at 16 sessions: {}% at 32K and {}% at 64K with reuse, {}% and {}% without",
+              lambda s: [gain_pct(reuse_like(s), c, 16, ("sglang", 8192), ("sglang", None))[0]
+                         for c in (K32, K64)]
+              + [gain_pct(s.noreuse, c, 16, ("sglang", 8192), ("sglang", None))[0]
+                 for c in (K32, K64)]),
+    ]
+    for ctx in (K32, K64):
+        for slo, name in NOREUSE_SLOS:
+            out.append(Claim(f"no-reuse tax {ctx // 1024}K {name}",
+                             f"| {ctx // 1024}K | {name} | {{}} ± {{}}% | {{}} ± {{}}% |",
+                             lambda s, c=ctx, o=slo: noreuse_tax_row(s, c, o)))
+    for ctx, n in GAIN_CELLS:
+        out.append(Claim(f"two-stage over seeds {ctx // 1024}K/{n}",
+                         f"| {ctx // 1024}K / {n} | {{}}% [{{}}, {{}}] | {{}}% [{{}}, {{}}] |",
+                         lambda s, c=ctx, k=n: gain_pct(s.seeds, c, k, ("hlserve-mix_always", None))
+                         + gain_pct(s.seeds, c, k, ("hlserve-prefill_first", None))))
+        for base, name in ((("sglang", 8192), "sglang C=8192"), (("vllm", 8192), "vllm B=8192")):
+            out.append(Claim(f"no-reuse gain {ctx // 1024}K/{n} {name}",
+                             f"| {ctx // 1024}K / {n} | {name} | {{}}% [{{}}, {{}}] | {{}}% [{{}}, {{}}] |",
+                             lambda s, c=ctx, k=n, b=base: gain_pct(reuse_like(s), c, k, b)
+                             + gain_pct(s.noreuse, c, k, b)))
+    return out
+
+
 def section7_claims() -> list[Claim]:
     out = [
         Claim("seeded points per seed", "`docs/study/h20-seeds/` ({} points per seed",
@@ -465,13 +557,13 @@ def section7_claims() -> list[Claim]:
         Claim("small chunks bound the gaps", "(C = B = 512: ITL p99 {} ms)",
               lambda s: [itl_row(s, K32, 16, "sarathi C=B=512")[1]]),
         Claim("ITL taxes", "raises the tax at 8K from {}% to {}% (seeds 1 and 2 within {} "
-              "points), and at 32K from {}% to {}%",
+              "points), and at 32K from {}% to {}% and {}% in seeds 1 and 2",
               lambda s: [pct_ci(seed_tax(s.seeds, K8, PROD))[0],
                          pct_ci(seed_tax(s.seeds, K8, PROD, "p99_itl_ms"))[0],
                          itl_spread(s, K8),
                          pct_ci(seed_tax(s.seeds, K32, PROD))[0],
-                         pct_ci(seed_tax(s.seeds, K32, PROD, "p99_itl_ms"))[0]],
-              ("round", "round", "ceil", "round", "round")),
+                         *(100 * v for v in seed_tax(s.seeds, K32, PROD, "p99_itl_ms").values[1:])],
+              ("round", "round", "ceil", "round", "round", "round")),
         Claim("64K/128 transient", "With reuse only 64K at 128 sessions is one: turnover {}–{} "
               "over the configurations and seeds, against at least {} everywhere else",
               lambda s: [min(turnovers(s.seeds, at_cell(K64, 128))),
@@ -752,7 +844,7 @@ CLAIMS: list[Claim] = [
 ]
 
 
-CLAIMS += section7_claims()
+CLAIMS += section7_claims() + noreuse_claims()
 
 
 def table(results: list[Result]) -> str:
