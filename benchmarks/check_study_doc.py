@@ -499,7 +499,7 @@ def noreuse_claims() -> list[Claim]:
                          best_k(reuse_like(s), K64), best_k(s.noreuse, K64)]),
         Claim("no-reuse saturation", "extra sessions add little: at 32K it is within {}% of its "
               "best from 16 sessions on",
-              lambda s: [100 * (1 - min(best_k(subset(s.noreuse, lambda r: n_of(r) == n), K32)
+              lambda s: [100 * (1 - min(best_k(subset(s.noreuse, lambda r, k=n: n_of(r) == k), K32)
                                         for n in (16, 32, 64, 128)) / best_k(s.noreuse, K32))],
               ("ceil",)),
         Claim("two-stage vs prefill-first over seeds", "it gains what mixing itself gains, {}–{}% "
