@@ -482,10 +482,30 @@ def min_ttft_s(by_seed: dict[int, list[Rec]], ctx: int) -> float:
     return min(seed_values(by_seed, lambda r: r["point"]["context"] == ctx, "p99_ttft_ms")) / 1e3
 
 
+def prefill_s(tokens: int) -> float:
+    """The cost model's time (s) for one prefill of ``tokens`` alone on the study's machine
+    (what ``hlserve cost --prefill`` prints)."""
+    from hlserve.sim.cost import CostModel
+    from hlserve.sim.hardware import get_hardware
+    from hlserve.sim.models import resolve_model
+
+    model = CostModel(resolve_model("Qwen2.5-32B")[1], get_hardware("H20"), tp=8)
+    return model.prefill(tokens).total
+
+
 def noreuse_claims() -> list[Claim]:
     out = [
         Claim("no-reuse seeds", "`docs/study/h20-noreuse/` holds the same configurations at 32K and "
-              "64K, 4–128 sessions, on seeds 0–{}", lambda s: [max(s.noreuse)]),
+              "64K, 4–128 sessions, and at 8K, 16–128 sessions, on seeds 0–{}",
+              lambda s: [max(s.noreuse)]),
+        Claim("no-reuse: a 30K prefill", "a 30,000-token prefill alone takes {} s on 8×H20",
+              lambda s: [prefill_s(30000)]),
+        Claim("no-reuse at 8K", "At 8K, where a round's whole context prefills in about {} s, the "
+              "production pair is still met without reuse, but at a tax of {} ± {}% against {}% "
+              "with it, and the best throughput falls from {}K to {}K tok/s",
+              lambda s: [prefill_s(8192 - 2048), *noreuse_tax_row(s, K8, PROD)[2:],
+                         noreuse_tax_row(s, K8, PROD)[0], best_k(reuse_like(s), K8),
+                         best_k(s.noreuse, K8)]),
         Claim("split shares", "a chunk of 8192 tokens splits {}% of rounds at 32K and {}% at 64K; "
               "without it, {}% and {}%",
               lambda s: [split_share(K32, True), split_share(K64, True), split_share(K32, False),
@@ -521,7 +541,7 @@ def noreuse_claims() -> list[Claim]:
               + [gain_pct(s.noreuse, c, 16, ("sglang", 8192), ("sglang", None))[0]
                  for c in (K32, K64)]),
     ]
-    for ctx in (K32, K64):
+    for ctx in (K8, K32, K64):
         for slo, name in NOREUSE_SLOS:
             out.append(Claim(f"no-reuse tax {ctx // 1024}K {name}",
                              f"| {ctx // 1024}K | {name} | {{}} ± {{}}% | {{}} ± {{}}% |",
@@ -555,6 +575,8 @@ def section7_claims() -> list[Claim]:
                          max(seed_tax(s.seeds, K8, PROD).values) * 100,
                          min(seed_tax(s.seeds, K64, PROD).values) * 100,
                          *pct_ci(seed_tax(s.seeds, K8, STRICT))]),
+        Claim("brief: no-reuse at 8K", "at 8K it rises from {}% to {} ± {}%",
+              lambda s: [noreuse_tax_row(s, K8, PROD)[0], *noreuse_tax_row(s, K8, PROD)[2:]]),
         Claim("brief: no-reuse TTFT", "TTFT p99 is at least {} s at 32K even at {} sessions",
               lambda s: [min_ttft_s(s.noreuse, K32), min(n_of(r) for r in s.noreuse[0])],
               ("floor", "round")),

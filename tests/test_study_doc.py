@@ -51,6 +51,14 @@ def test_committed_doc_agrees_with_points(doc: str, study) -> None:
     ("about 14× larger", "about 8× larger", "tool results 64K / 8K (the workload generator) [1]"),
     ("| 8K / 64 | 0.0% | 0.0% | +6.9% |", "| 8K / 64 | 0.0% | 0.0% | +5.9% |",
      "components 8K/64 [3]"),
+    # section 7: the seeded, no-reuse and ITL numbers
+    ("18% at 32K is 17.7 ± 1.4% over seeds", "18% at 32K is 17.7 ± 0.4% over seeds",
+     "seeded 32K tax [2]"),
+    ("| 32K | 2 s / 100 ms | 17.7 ± 1.4% | 100.0 ± 0.0% |",
+     "| 32K | 2 s / 100 ms | 17.7 ± 1.4% | 60.0 ± 0.0% |", "no-reuse tax 32K 2 s / 100 ms [3]"),
+    ("| sarathi C=B=512 | 65 | 85 | 85 / 87 |", "| sarathi C=B=512 | 65 | 58 | 85 / 87 |",
+     "ITL row sarathi C=B=512 [2]"),
+    ("turnover 0.06–0.83", "turnover 0.52–0.83", "64K/128 transient [1]"),
 ])
 def test_a_wrong_number_fails(doc: str, study, old: str, new: str, claim: str) -> None:
     assert doc.count(old) == 1
