@@ -226,7 +226,10 @@ def interactive_phase(url: str) -> dict[str, Any]:
     decodes; after it ends, another agent request alone."""
     with ThreadPoolExecutor(3) as ex:
         started = threading.Event()
-        inter = ex.submit(_stream, url, _tokens(130, 256), 192, "inter", started,
+        # 512 tokens: long enough that the agents, sent after its first token, are prefilled
+        # while it still decodes on a loaded machine too (192 once ended first in CI); its
+        # 6 blocks and the agents' 64 still fit the 71-block pool
+        inter = ex.submit(_stream, url, _tokens(130, 256), 512, "inter", started,
                           request_class="interactive")
         assert started.wait(300), "the interactive request never streamed"
         agents = [ex.submit(_complete, url, _tokens(120 + i, 4000), 16, f"agent{i}")
