@@ -314,6 +314,12 @@ def group(recs: Iterable[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str
     return out
 
 
+def meets_slo(r: dict[str, Any], ttft_ms: float, tpot_ms: float,
+              tpot_key: str = "p99_tpot_ms") -> bool:
+    """Whether a point meets TTFT p99 <= ``ttft_ms`` and ``tpot_key`` <= ``tpot_ms``."""
+    return latency(r, "p99_ttft_ms") <= ttft_ms and latency(r, tpot_key) <= tpot_ms
+
+
 def human_tax(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
               systems: Iterable[str] | None = None, metric: str = METRIC,
               tpot_key: str = "p99_tpot_ms",
@@ -325,7 +331,7 @@ def human_tax(recs: list[dict[str, Any]], ttft_ms: float, tpot_ms: float,
     allowed = set(systems) if systems is not None else None
 
     def meets(r: dict[str, Any]) -> bool:
-        return (latency(r, "p99_ttft_ms") <= ttft_ms and latency(r, tpot_key) <= tpot_ms
+        return (meets_slo(r, ttft_ms, tpot_ms, tpot_key)
                 and (allowed is None or r["point"]["system"] in allowed))
 
     tax, best_c, best_u = records.human_tax(recs, lambda r: throughput(r, metric), meets)

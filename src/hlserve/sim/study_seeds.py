@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hlserve.sim.study import PRODUCTION_SLO, STRICT_SLO, human_tax, latency, throughput
+from hlserve.sim.study import PRODUCTION_SLO, STRICT_SLO, human_tax, meets_slo, throughput
 from hlserve.stats import RatioVerdict, clean, fmt_ci, mean_ci, ratio_verdict
 
 Rec = dict[str, Any]
@@ -123,13 +123,7 @@ def gain_over_seeds(by_seed: dict[int, list[Rec]], ours: PointKey, base: PointKe
 
 def meets_in(by_seed: dict[int, list[Rec]], point: PointKey, slo: tuple[float, float]) -> int:
     """In how many seeds ``point`` meets ``slo``."""
-    n = 0
-    for recs in by_seed.values():
-        for r in recs:
-            if key(r) == point and latency(r, "p99_ttft_ms") <= slo[0] \
-                    and latency(r, "p99_tpot_ms") <= slo[1]:
-                n += 1
-    return n
+    return sum(meets_slo(r, *slo) for recs in by_seed.values() for r in recs if key(r) == point)
 
 
 def point_intervals(by_seed: dict[int, list[Rec]], point: PointKey,
