@@ -240,20 +240,41 @@ class LongestPrefixMatch(AgedPrefixOrder):
             node, depth = node.parent, depth - 1  # type: ignore[assignment]
         # the last token is always recomputed, so never count a page that ends the request
         limit = (req.num_tokens - 1) // ps
-        version = -1
-        while depth < limit:
+        node, depth, missing = self._walk(req, node, depth, limit)
+        st.node, st.depth, st.missing = node, depth, missing
+        st.version = -1 if missing is None else node.version
+        return depth * ps
+
+    def _walk(self, req: Request, node: Node, depth: int, limit: int) -> tuple[Node, int, tuple | None]:
+        """Descend from ``node`` (``depth`` pages down) while the next page of ``req`` is
+        cached, up to ``limit`` pages; returns where it stopped and the key it missed there
+        (None: it reached ``limit``). The walk of a request that joins is most of a pass at
+        thousands waiting, so the page keys are cut in C (one ``zip`` over one iterator, a
+        tuple per page, made only as the walk reaches it) and the loop does nothing else."""
+        if depth >= limit:
+            return node, depth, None
+        ps, kv = self.kv.page_size, self.kv
+        if node is kv.root and req.cache_salt is not None:  # a first page carries the salt
             self.lookups += 1
-            # keys are cut on demand: a page's tokens only when the walk reaches it
-            key = self.kv.page_key(node, req.tokens(depth * ps, (depth + 1) * ps), req.cache_salt)
+            key = kv.page_key(node, req.tokens(0, ps), req.cache_salt)
             child = node.children.get(key)
             if child is None:
-                version, missing = node.version, key
+                return node, depth, key
+            node, depth = child, 1
+        n_prompt = len(req.prompt_token_ids)
+        tokens = (req.prompt_token_ids[depth * ps : limit * ps] if limit * ps <= n_prompt
+                  else req.tokens(depth * ps, limit * ps))
+        start = depth
+        missing = None
+        for key in zip(*[iter(tokens)] * ps, strict=False):  # a whole number of pages
+            child = node.children.get(key)
+            if child is None:
+                missing = key
                 break
-            node, depth = child, depth + 1
-        else:
-            missing = None
-        st.node, st.depth, st.version, st.missing = node, depth, version, missing
-        return depth * ps
+            node = child
+            depth += 1
+        self.lookups += depth - start + (missing is not None)
+        return node, depth, missing
 
     def forget(self, req: Request) -> None:
         super().forget(req)
