@@ -343,7 +343,8 @@ RATIO_KEYS = (("total_token_throughput", "total tok/s"), ("median_session_time_s
 
 
 def repeat_table(results: dict[str, dict]) -> str | None:
-    """Where servers ran more than once (``--servers vllm,vllm-hlserve,vllm,vllm-hlserve``):
+    """Where servers ran more than once (``--servers vllm,vllm-hlserve,vllm-hlserve,vllm``:
+    A B B A, so that a drift of the machine's speed within the run does not favour either):
     each server's mean ± 95% interval, and its ratio to the first vLLM server with the
     paired Fieller interval (the k-th run of each server pairs with the k-th of the
     reference: interleaved, they shared the machine's state of that cycle). None when
