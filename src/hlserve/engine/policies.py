@@ -12,7 +12,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import filterfalse
+from itertools import chain, filterfalse
 from operator import attrgetter, itemgetter
 
 from hlserve.config import EngineConfig
@@ -253,20 +253,13 @@ class LongestPrefixMatch(AgedPrefixOrder):
         tuple per page, made only as the walk reaches it) and the loop does nothing else."""
         if depth >= limit:
             return node, depth, None
-        ps, kv = self.kv.page_size, self.kv
+        ps, kv, start = self.kv.page_size, self.kv, depth
+        keys: Iterator[tuple] = zip(*[iter(req.tokens(depth * ps, limit * ps))] * ps,
+                                    strict=False)  # a whole number of pages
         if node is kv.root and req.cache_salt is not None:  # a first page carries the salt
-            self.lookups += 1
-            key = kv.page_key(node, req.tokens(0, ps), req.cache_salt)
-            child = node.children.get(key)
-            if child is None:
-                return node, depth, key
-            node, depth = child, 1
-        n_prompt = len(req.prompt_token_ids)
-        tokens = (req.prompt_token_ids[depth * ps : limit * ps] if limit * ps <= n_prompt
-                  else req.tokens(depth * ps, limit * ps))
-        start = depth
+            keys = chain([kv.page_key(node, next(keys), req.cache_salt)], keys)
         missing = None
-        for key in zip(*[iter(tokens)] * ps, strict=False):  # a whole number of pages
+        for key in keys:
             child = node.children.get(key)
             if child is None:
                 missing = key

@@ -28,10 +28,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     op = _kernel(x)
     if op is not None and weight.dtype == torch.bfloat16:
         return op.rms_norm(x, weight, eps)  # type: ignore[attr-defined,no-any-return]
-    dtype = x.dtype
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` in plain PyTorch: what serves where the C++ op does not, and what it
+    rounds like."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return weight * xf.to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
