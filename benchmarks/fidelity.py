@@ -1,0 +1,229 @@
+"""The simulator against public GPU measurements: every row of ``fidelity_rows.json`` with its
+source, the simulated value and the error, and the median and worst |error| per group.
+
+Groups: attention (kernel TFLOP/s by sequence length), single-request (time to first token),
+large-batch decode (static-batch output throughput), mixed-batch (a prefill chunk with decodes
+riding along) and GEMM held-out rows (Vidur's operator profiles, refitted on part of the rows
+and scored on the rest, and the A100 fit carried to H100 the way H20 borrows H100's fit).
+
+    python benchmarks/fidelity.py                # table and summary
+    python benchmarks/fidelity.py --json out.json
+    python benchmarks/fidelity.py --markdown     # the tables of docs/fidelity.md
+
+Rows marked ``fit`` may be used to fit a term; ``heldout`` rows never are; ``other-kernel``
+rows show how far another kernel on the same shapes lies and are not scored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hlserve.models.config import ModelConfig
+from hlserve.sim.cost import CostModel, IterationShape
+from hlserve.sim.hardware import Hardware, get_hardware
+from hlserve.sim.models import _shape
+
+ROWS = Path(__file__).with_name("fidelity_rows.json")
+
+
+@dataclass
+class Result:
+    id: str
+    group: str
+    split: str
+    measured: float
+    simulated: float
+    unit: str
+    source: str
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the simulated value."""
+        return self.simulated / self.measured - 1.0
+
+
+def load(path: Path = ROWS) -> dict:
+    return json.loads(path.read_text())
+
+
+def model_of(data: dict, name: str) -> ModelConfig:
+    m = data["models"][name]
+    return _shape(m["arch"], m["layers"], m["hidden"], m["heads"], m["kv_heads"], m["inter"],
+                  m["vocab"], 4096)
+
+
+# ---- one simulated value per kind ----------------------------------------------------------
+def attn_prefill_tflops(hw: Hardware, row: dict) -> float:
+    """Achieved TFLOP/s of one non-causal attention call, the cost model's prefill-attention
+    term (the same max(compute, memory) + kernel time as ``CostModel.iteration``)."""
+    b, h, s, d = row["batch"], row["heads"], row["seqlen"], row["head_dim"]
+    flops = 4.0 * b * h * s * s * d
+    nbytes = hw.dtype_bytes * 4 * b * h * s * d  # Q, K, V read, O written
+    t = max(flops / (hw.attn_eta_compute * hw.peak_flops), nbytes / (hw.attn_eta_mem * hw.mem_bw))
+    return flops / (t + hw.kernel_time) / 1e12
+
+
+def first_token_ms(cm: CostModel, row: dict) -> float:
+    return 1e3 * cm.prefill(row["input"]).total
+
+
+def static_batch_out_tps(cm: CostModel, row: dict) -> float:
+    """A static batch: every prompt prefilled in one iteration, then ``output - 1`` decode
+    iterations of the whole batch (TensorRT-LLM's gptSessionBenchmark)."""
+    b, isl, osl = row["batch"], row["input"], row["output"]
+    pf = IterationShape(num_tokens=b * isl, num_seqs=b, num_samples=b,
+                        prefill=tuple((isl, 0) for _ in range(b)))
+    t = cm.iteration(pf)[0]
+    for i in range(1, osl):
+        ctx = isl + i
+        t += cm.iteration(IterationShape(b, b, b, (), b, b * ctx, ctx))[0]
+    return b * osl / t
+
+
+def mixed_over_prefill(cm: CostModel, row: dict) -> float:
+    """Time of a prefill chunk with decodes riding along over the same number of prefill
+    tokens alone."""
+    n, k, ctx = row["prefill"], row["decodes"], row["decode_context"]
+    mixed = cm.decode(k, ctx, prefill_tokens=n).total
+    alone = cm.iteration(IterationShape(n + k, 1, 0, ((n + k, 0),)))[0]
+    return mixed / alone
+
+
+def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
+    hw = get_hardware(row["gpu"])
+    if hw_override:
+        hw = hw.replace(**hw_override)
+    if row["kind"] == "attn_prefill_tflops":
+        return attn_prefill_tflops(hw, row)
+    cm = CostModel(model_of(data, row["model"]), hw, row.get("tp", 1))
+    fn = {"first_token_ms": first_token_ms, "static_batch_out_tps": static_batch_out_tps,
+          "mixed_over_prefill": mixed_over_prefill}[row["kind"]]
+    value = fn(cm, row)
+    return value / row["tp"] if row.get("per_gpu") else value
+
+
+def table_rows(data: dict, hw_override: dict | None = None) -> list[Result]:
+    out = []
+    for r in data["rows"]:
+        sim = simulate(data, r, hw_override)
+        out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]), sim, r["unit"],
+                          f"{data['sources'][r['source']].split(' at ')[0].split(' (')[0]}: "
+                          f"{r['where']} ({r['engine']})"))
+    return out
+
+
+# ---- GEMM rows the fits did not use ---------------------------------------------------------
+def gemm_heldout() -> list[Result]:
+    """Vidur GEMM profiles: (1) H100 refitted on TP 1-2 rows, scored on TP 4-8 rows (other
+    shapes); (2) the A100 fit carried to H100 through the ridge point, scored on all H100
+    rows. Empty when the profiles are not present."""
+    from hlserve.sim.fitting import (
+        VIDUR_GPUS,
+        find_data_dir,
+        fit_gemm,
+        gemm_time_np,
+        load_vidur_ops,
+    )
+
+    if find_data_dir() is None:
+        return []
+    out = []
+    h100, _ = load_vidur_ops("h100")
+    a100, _ = load_vidur_ops("a100")
+    _, _, hp, hb = VIDUR_GPUS["h100"]
+    _, _, ap, ab = VIDUR_GPUS["a100"]
+    fit_mask = h100.tp <= 2
+    part = _subset(h100, fit_mask)
+    f = fit_gemm(part, hp, hb)
+    rest = _subset(h100, ~fit_mask)
+    pred = gemm_time_np(rest.n, rest.k, rest.m, hp, hb, f.eta_max, f.n_half, f.eta_mem, f.t_kernel)
+    out += _gemm_results("gemm-h100-tp4-8", rest, pred, "Vidur H100 Llama-2-7B profile, TP 4/8 rows; fit on TP 1/2")
+    fa = fit_gemm(a100, ap, ab)
+    pred = gemm_time_np(h100.n, h100.k, h100.m, hp, hb, fa.eta_max, fa.ridge_frac * hp / hb,
+                        fa.eta_mem, fa.t_kernel)
+    out += _gemm_results("gemm-a100fit-on-h100", h100, pred, "Vidur H100 Llama-2-7B profile, all rows; fit on Vidur A100")
+    return out
+
+
+def _subset(s, mask):
+    from hlserve.sim.fitting import OpSamples
+
+    return OpSamples(*(getattr(s, f)[mask] for f in ("op", "n", "tp", "k", "m", "nbytes", "time")))
+
+
+def _gemm_results(prefix: str, s, pred: np.ndarray, source: str) -> list[Result]:
+    """One result per token bucket (median over the ops and TP degrees in it), so that the
+    table stays readable: buckets 1-16, 17-128, 129-1024, 1025+ tokens."""
+    out = []
+    for lo, hi in ((1, 16), (17, 128), (129, 1024), (1025, 1 << 30)):
+        m = (s.n >= lo) & (s.n <= hi)
+        if not m.any():
+            continue
+        ratio = float(np.median(pred[m] / s.time[m]))
+        worst = float(np.max(np.abs(pred[m] / s.time[m] - 1)))
+        out.append(Result(f"{prefix}-n{lo}-{hi if hi < 1 << 30 else 'up'}", "gemm (held-out)", "heldout",
+                          1.0, ratio, "median time ratio", f"{source}; {int(m.sum())} ops, worst |err| {worst:.0%}"))
+    return out
+
+
+# ---- summaries ------------------------------------------------------------------------------
+def summary(results: list[Result]) -> dict[str, dict]:
+    """Median and worst |error| per group, over the scored rows (``fit`` and ``heldout``), and
+    over the held-out rows alone."""
+    groups: dict[str, dict] = {}
+    for g in dict.fromkeys(r.group for r in results):
+        scored = [abs(r.error) for r in results if r.group == g and r.split in ("fit", "heldout")]
+        held = [abs(r.error) for r in results if r.group == g and r.split == "heldout"]
+        groups[g] = {"rows": len(scored), "median": statistics.median(scored) if scored else None,
+                     "worst": max(scored) if scored else None,
+                     "heldout_rows": len(held), "heldout_median": statistics.median(held) if held else None,
+                     "heldout_worst": max(held) if held else None}
+    return groups
+
+
+def markdown(results: list[Result], groups: dict[str, dict]) -> str:
+    lines = ["| row | group | split | measured | simulated | unit | error | source |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.id} | {r.group} | {r.split} | {r.measured:.4g} | {r.simulated:.4g} | "
+                     f"{r.unit} | {r.error:+.1%} | {r.source} |")
+    lines += ["", "| group | scored rows | median abs err | worst abs err | held-out rows | held-out median | held-out worst |",
+              "|---|---|---|---|---|---|---|"]
+    for g, s in groups.items():
+        def pct(x):
+            return "-" if x is None else f"{x:.1%}"
+        lines.append(f"| {g} | {s['rows']} | {pct(s['median'])} | {pct(s['worst'])} | {s['heldout_rows']} | "
+                     f"{pct(s['heldout_median'])} | {pct(s['heldout_worst'])} |")
+    return "\n".join(lines)
+
+
+def run(hw_override: dict | None = None, gemm: bool = True) -> tuple[list[Result], dict[str, dict]]:
+    results = table_rows(load(), hw_override)
+    if gemm:
+        results += gemm_heldout()
+    return results, summary(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write rows and summary to this file")
+    p.add_argument("--markdown", action="store_true", help="print the docs/fidelity.md tables")
+    p.add_argument("--no-gemm", action="store_true", help="skip the Vidur GEMM rows")
+    args = p.parse_args(argv)
+    results, groups = run(gemm=not args.no_gemm)
+    print(markdown(results, groups))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"rows": [{**r.__dict__, "error": r.error} for r in results], "groups": groups}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
