@@ -117,6 +117,8 @@ class CostModel:
         self._n_half = hw.gemm_n_half
         self._linear_cache: dict[int, tuple[float, float, float, float]] = {}
         self._launch = L * hw.kernels_per_layer * hw.launch_time
+        gqa = model.num_key_value_heads < model.num_attention_heads
+        self._decode_eta_mem = hw.attn_eta_mem_gqa if gqa and hw.attn_eta_mem_gqa > 0 else hw.attn_eta_mem
 
     # ---- pieces ----------------------------------------------------------------------------
     def gemm(self, n: int, k: int, m: int) -> tuple[float, float, float]:
@@ -146,6 +148,16 @@ class CostModel:
             self._linear_cache[n] = got
         return got
 
+    def _prefill_attn_by_length(self, prefill: tuple[tuple[int, int], ...]) -> float:
+        """Compute-bound seconds of one layer's prefill attention, each segment at the
+        efficiency of its length (short segments fill fewer tiles per head)."""
+        hw, t = self.hw, 0.0
+        for q, ctx in prefill:
+            n = ctx + q
+            eta = hw.attn_eta_compute * n / (n + hw.attn_len_half)
+            t += self.attn_flops_per_pair * q * (ctx + (q + 1) / 2) / (eta * self._peak)
+        return t
+
     def allreduce(self, nbytes: float) -> float:
         return 0.0 if self.tp == 1 else self.alpha + nbytes / self.algbw
 
@@ -165,6 +177,8 @@ class CostModel:
             f = self.attn_flops_per_pair * pairs
             by = self.kv_read_per_token * kv + self.q_bytes_per_token * sum(q for q, _ in s.prefill)
             tc, tm = f / (hw.attn_eta_compute * self._peak), by / (hw.attn_eta_mem * self._bw)
+            if hw.attn_len_half > 0:
+                tc = self._prefill_attn_by_length(s.prefill)
             ap_c, ap_m = (L * tc, 0.0) if tc >= tm else (0.0, L * tm)
         ap_o = L * (hw.kernel_time + nseg * hw.prefill_seg_overhead) if nseg else 0.0
         # decode attention
@@ -173,11 +187,12 @@ class CostModel:
             keys = s.num_decodes * s.decode_ctx_max if hw.decode_attn_padded else s.decode_ctx_sum
             tc = self.attn_flops_per_pair * keys / (hw.attn_eta_compute * self._peak)
             by = self.kv_read_per_token * keys + self.q_bytes_per_token * s.num_decodes
+            eta_m = self._decode_eta_mem
             if hw.cache_bytes > 0 and by > 0:
                 hit = min(by, hw.cache_bytes)
-                tm = hit / (hw.attn_eta_cache * self._bw) + (by - hit) / (hw.attn_eta_mem * self._bw)
+                tm = hit / (hw.attn_eta_cache * self._bw) + (by - hit) / (eta_m * self._bw)
             else:
-                tm = by / (hw.attn_eta_mem * self._bw)
+                tm = by / (eta_m * self._bw)
             slow = 1.0 + (hw.mix_contention if nseg else 0.0)
             ad_c, ad_m = (L * tc * slow, 0.0) if tc >= tm else (0.0, L * tm * slow)
             ad_o = L * hw.kernel_time

@@ -16,6 +16,9 @@ fitted to measurements where measurements exist, and every value says where it c
   kernels on long contexts), 1 ms scheduler/sampling overhead per iteration plus 10 us per
   sequence, 4 us to launch a kernel outside a CUDA graph, decode graphs up to batch 256.
   ``hlserve calibrate`` measures all of these on the machine at hand instead.
+- ``attn_len_half`` and ``attn_eta_mem_gqa`` are corrections fitted on public measurements by
+  ``benchmarks/fidelity.py`` (docs/fidelity.md); they default to 0 (off), which keeps the
+  terms above exactly as they are.
 
 Memory sizes in FACTS.md ("96 GB") are taken as GiB: HBM stacks are binary-sized.
 """
