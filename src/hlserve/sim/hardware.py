@@ -54,6 +54,11 @@ class Hardware:
     elem_kernel_time: float = 2e-6
     attn_eta_compute: float = 0.55  # prefill attention, of peak
     attn_eta_mem: float = 0.70  # decode attention (KV reads), of BW
+    # corrections fitted on public measurements (benchmarks/fidelity.py); 0 keeps the terms
+    # above exactly as they are. Prefill attention efficiency rises with a segment's length:
+    # eta = attn_eta_compute * L / (L + attn_len_half), L = context + new tokens
+    attn_len_half: float = 0.0
+    attn_eta_mem_gqa: float = 0.0  # decode attention of grouped-query models, of BW
     # a cache level in front of memory (calibrated CPU profiles): the first ``cache_bytes``
     # of one layer's decode-attention reads go at ``attn_eta_cache`` x BW; 0 turns it off
     cache_bytes: float = 0.0
