@@ -55,7 +55,7 @@ def test_demo_runs_both_modes_interleaved_on_the_real_model(tiny_llama: Path) ->
                    log=lines.append)
     local = out["local"]
     assert local["order"] == [["slo (vllm)", -1, 2], ["slo (vllm)", 0, 0], ["throughput", 0, 0],
-                              ["slo (vllm)", 1, 1], ["throughput", 1, 1]]
+                              ["throughput", 1, 1], ["slo (vllm)", 1, 1]]  # A B B A
     for s in local["configs"].values():
         assert s["repeats"] == 2 and s["total_token_throughput_ci95"] is not None
     assert any("throughput mode against SLO mode" in line for line in lines)

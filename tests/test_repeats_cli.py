@@ -48,8 +48,8 @@ def test_sweep_repeats_write_intervals_and_ray_gives_the_same_numbers(tmp_path: 
                               / f"{res['label']}.seed{seed}.json").read_text())
             assert one["total_token_throughput"] == vals[seed]
     summary = json.loads((tmp_path / "local" / "sweep.json").read_text())
-    assert summary["order"] == [["C=2048", 0, 0], ["C=none", 0, 0], ["C=2048", 1, 1],
-                                ["C=none", 1, 1]]  # interleaved; simulated: no warm-up
+    assert summary["order"] == [["C=2048", 0, 0], ["C=none", 0, 0], ["C=none", 1, 1],
+                                ["C=2048", 1, 1]]  # A B B A; simulated: no warm-up
     assert "±" in (tmp_path / "local" / "tax.md").read_text()
 
     assert main([*SWEEP, "--out", str(tmp_path / "ray"), "--ray"]) == 0

@@ -107,12 +107,24 @@ def test_format() -> None:
 # ---- the repeat driver ---------------------------------------------------------------------
 
 
-def test_schedule_interleaves_with_warmup_first_and_a_seed_per_repeat() -> None:
+def test_schedule_interleaves_abba_with_warmup_first_and_a_seed_per_repeat() -> None:
     runs = schedule({"A": 1, "B": 2}, RepeatPlan(repeats=3, base_seed=10, warmup=1))
     assert [(r.name, r.repeat, r.seed) for r in runs] == [
-        ("A", -1, 13), ("A", 0, 10), ("B", 0, 10), ("A", 1, 11), ("B", 1, 11),
+        ("A", -1, 13), ("A", 0, 10), ("B", 0, 10), ("B", 1, 11), ("A", 1, 11),
         ("A", 2, 12), ("B", 2, 12)]
     assert runs[0].warmup and not any(r.warmup for r in runs[1:])
+    three = schedule({"A": 1, "B": 2, "C": 3}, RepeatPlan(repeats=2, warmup=0))
+    assert [r.name for r in three] == ["A", "B", "C", "C", "B", "A"]
+
+
+def test_abba_cancels_a_linear_drift_that_abab_does_not() -> None:
+    """Two identical configurations on a machine that slows by 1% a run: mirrored, the pairs'
+    mean ratio is 1 over any even number of repeats; A B A B would read B 1% slow."""
+    runs = schedule({"A": 0, "B": 0}, RepeatPlan(repeats=4, warmup=0))
+    speed = {id(r): 100.0 * (1 - 0.01 * t) for t, r in enumerate(runs)}
+    a = [speed[id(r)] for r in runs if r.name == "A"]
+    b = [speed[id(r)] for r in runs if r.name == "B"]
+    assert sum(b) / sum(a) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_run_repeats_calls_in_order_and_excludes_the_warmup() -> None:
@@ -126,7 +138,7 @@ def test_run_repeats_calls_in_order_and_excludes_the_warmup() -> None:
                 "completed": 6, "ok": True}
 
     res = run_repeats({"A": "A", "B": "B"}, run, RepeatPlan(repeats=3, base_seed=0, warmup=1))
-    assert calls == [("A", 3), ("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2)]
+    assert calls == [("A", 3), ("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2)]
     a, b = res["configs"]["A"], res["configs"]["B"]
     assert a["total_token_throughput"] == pytest.approx(101.0)
     assert a["repeat_values"]["total_token_throughput"] == [100.0, 101.0, 102.0]

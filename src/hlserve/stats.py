@@ -8,7 +8,7 @@ Pure and torch-free (bottom layer). Choices, and why:
   errors and robust enough for throughputs and percentiles averaged over a run. The t quantile
   is computed here (regularized incomplete beta, inverted by bisection) so that the package
   needs no scipy; the tests check it against scipy.
-- **Ratio interval: Fieller's theorem on paired repeats.** Repeats are interleaved (A B A B),
+- **Ratio interval: Fieller's theorem on paired repeats.** Repeats are interleaved (A B B A),
   so A_i and B_i share the machine's state of that moment and are a pair. For the ratio of means
   R = mean(B) / mean(A), the interval is every R for which the paired differences
   ``B_i - R A_i`` have a mean that a t test at 5% cannot tell from zero. It is exact for normal

@@ -1,10 +1,14 @@
-"""Configurations x repeats, interleaved (A B A B, not A A B B), with an excluded warm-up and a
-new workload seed per repeat; every numeric metric summarized as a mean with ``<metric>_ci95``.
+"""Configurations x repeats, interleaved and mirrored (A B B A A B ..., not A B A B, not
+A A B B), with an excluded warm-up and a new workload seed per repeat; every numeric metric
+summarized as a mean with ``<metric>_ci95``.
 
 Why interleaved: a machine drifts (thermal state, other jobs, page cache); running every repeat
 of A before any of B puts that drift into the A/B difference. Interleaved, repeat i of every
 configuration runs at about the same moment and with the same seed (``base_seed + i``), so
-A_i and B_i are a pair and :func:`hlserve.stats.ratio_ci` can use the pairing.
+A_i and B_i are a pair and :func:`hlserve.stats.ratio_ci` can use the pairing. Why mirrored:
+in A B A B, B always runs second within a pair, so a steady drift still biases every pair the
+same way (the peers benchmark measured 3% on a slowing machine); reversing the order on every
+other repeat cancels a linear drift over each two repeats.
 """
 
 from __future__ import annotations
@@ -51,14 +55,17 @@ class Run(Generic[C]):
 def schedule(configs: Mapping[str, C], plan: RepeatPlan) -> list[Run[C]]:
     """Warm-up runs first (the first configuration, on a seed no measured run uses, so that a
     long-lived server's prefix cache holds nothing a measured run asks for), then for each
-    repeat i every configuration in order, on seed ``base_seed + i``."""
+    repeat i every configuration, in order on even repeats and in reverse on odd ones
+    (A B, B A, A B, ...), on seed ``base_seed + i``."""
     if not configs:
         raise ValueError("no configuration to run")
     first = next(iter(configs))
     runs = [Run(first, configs[first], -1, plan.base_seed + plan.repeats + w)
             for w in range(plan.warmup)]
+    items = list(configs.items())
     for i in range(plan.repeats):
-        runs += [Run(name, cfg, i, plan.base_seed + i) for name, cfg in configs.items()]
+        order = items if i % 2 == 0 else items[::-1]
+        runs += [Run(name, cfg, i, plan.base_seed + i) for name, cfg in order]
     return runs
 
 
@@ -180,7 +187,7 @@ def add_repeat_args(p: argparse.ArgumentParser, ray: bool = False, default: int 
     """``--repeats N`` (and ``--ray [ADDRESS]``), shared by bench, sweep, demo and study."""
     g = p.add_argument_group("repeats")
     g.add_argument("--repeats", type=int, default=default,
-                   help="runs per configuration, interleaved (A B A B), on seeds --seed + i; "
+                   help="runs per configuration, interleaved A B B A, on seeds --seed + i; "
                         "results carry 95%% intervals (*_ci95) and tables print "
                         f"mean ± half-width (default: {default})")
     if ray:
