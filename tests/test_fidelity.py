@@ -108,3 +108,25 @@ def test_script_runs_whole(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert set(got) == {"before", "corrections", "after"}
     assert got["before"]["groups"]["single-request"]["rows"] == 4
+
+
+def test_model_error_perturbations_come_from_the_suite_residuals() -> None:
+    """benchmarks/sim_model_error.py draws its perturbations from the held-out residuals: each
+    term moves by one of them, in the direction the residual's sign says."""
+    spec = importlib.util.spec_from_file_location("sim_model_error",
+                                                  ROOT / "benchmarks" / "sim_model_error.py")
+    assert spec and spec.loader
+    sme = importlib.util.module_from_spec(spec)
+    sys.modules["sim_model_error"] = sme
+    spec.loader.exec_module(sme)
+    res = sme.residuals()
+    assert len(res["attn_eta_compute"]) == 3 and len(res["attn_eta_mem"]) == 2
+    base = HARDWARE["H20"]
+    import random
+
+    hw = sme.perturbed(base, res, random.Random(1), 1)
+    for e in res["attn_eta_mem"]:  # decode rows simulated slow: the real kernel is faster
+        assert e > 0
+    assert hw.attn_eta_mem > base.attn_eta_mem
+    assert any(abs(hw.attn_eta_compute - base.attn_eta_compute / (1 + e)) < 1e-12
+               for e in res["attn_eta_compute"])
