@@ -32,9 +32,22 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     for prompt in args.prompt:
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        out = llm.generate([_generate_prompt(llm, prompt, args.chat)], params, use_tqdm=False)[0]
         print(f"--- prompt: {prompt!r}\n{out.text}\n--- {len(out.token_ids)} tokens, "
               f"finish_reason={out.finish_reason}")
+
+
+def _generate_prompt(llm: object, prompt: str, chat: str) -> str | list[int]:
+    """The prompt as text, or as one user turn rendered by the chat template: ``auto`` renders
+    it for an instruct model (a .gguf file or a named one, whose metadata carries its chat
+    template), as llama.cpp's CLI does; the random tiny model's text stays raw."""
+    tok = llm.tokenizer  # type: ignore[attr-defined]
+    has_template = tok is not None and tok.chat_template is not None
+    if chat == "on" and not has_template:
+        raise ValueError("--chat on: the model has no chat template")
+    if chat == "off" or not has_template or (chat == "auto" and not llm.instruct):  # type: ignore[attr-defined]
+        return prompt
+    return tok.encode_chat([{"role": "user", "content": prompt}])
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -75,14 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=cmd_tiny_model)
 
-    p = sub.add_parser("generate", help="generate from a model directory, for a quick look")
-    p.add_argument("model")
+    p = sub.add_parser("generate", help="generate from a model, for a quick look")
+    p.add_argument("model", help="model directory, .gguf file, or smollm2-135m")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                   help="render each prompt as a user turn with the chat template (auto: for "
+                        "a .gguf file or a named model such as smollm2-135m)")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
