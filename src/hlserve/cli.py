@@ -55,6 +55,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     repeats with intervals, then the simulated 32K case where the tax exists (bench/demo.py)."""
     from hlserve.bench.demo import DemoSpec, run_demo
 
+    if args.agent:
+        from hlserve.bench.agent_demo import AgentSpec, run_agent_demo
+
+        run_agent_demo(AgentSpec(model=args.model or "smollm2-135m", sessions=args.agent_sessions,
+                                 repeats=args.agent_repeats, seed=args.workload_seed))
+        return
     common = engine_options(args)
     common.pop("mode", None)
     spec = DemoSpec(model=args.model or str(default_model()), sessions=args.sessions,
@@ -116,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds of the simulated 32K case (default: 3)")
     p.add_argument("--no-sim", dest="sim", action="store_false",
                    help="skip the simulated 32K case")
+    p.add_argument("--agent", action="store_true",
+                   help="instead: tool-calling agent sessions on the real model (smollm2-135m) "
+                        "through the openai SDK against hlserve serve, SLO vs throughput mode")
+    p.add_argument("--agent-sessions", type=int, default=4,
+                   help="--agent: concurrent sessions a run (default: 4)")
+    p.add_argument("--agent-repeats", type=int, default=3,
+                   help="--agent: repeats a mode, interleaved (default: 3)")
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 
