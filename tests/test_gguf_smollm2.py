@@ -68,7 +68,7 @@ def case(hf_tok):
 
 @pytest.mark.parametrize("name", list(CONFIGS) + list(PRESET_CONFIGS))
 def test_greedy_matches_transformers_gguf(case, name: str) -> None:
-    path, prompts, refs = case
+    _, prompts, refs = case
     opts = {**CONFIGS, **PRESET_CONFIGS}[name]
     llm = LLM(MODEL, dtype="float32", check_invariants=True, **opts)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
