@@ -42,7 +42,8 @@ def quantized_bytes(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> 
 
 
 def write_llama(path: Path, *, arch: str = "llama", types: dict[str, Q] | None = None,
-                seed: int = 0, extra_tensor: str | None = None) -> dict[str, np.ndarray]:
+                seed: int = 0, extra_tensor: str | None = None,
+                add_bos: bool = False) -> dict[str, np.ndarray]:
     """A tiny llama GGUF; returns each tensor as written (fp32 ones in HF order, unpermuted),
     keyed by GGUF name. ``types`` picks a quantized type per GGUF name suffix."""
     rng = np.random.default_rng(seed)
@@ -63,6 +64,7 @@ def write_llama(path: Path, *, arch: str = "llama", types: dict[str, Q] | None =
     w.add_token_merges([])
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output_norm.weight": (HIDDEN,),
               "output.weight": (VOCAB, HIDDEN)}

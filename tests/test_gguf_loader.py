@@ -77,6 +77,17 @@ def test_tokenizer_and_chat_template_from_metadata(tmp_path: Path) -> None:
     assert "<|im_start|>" in tok.chat_template
 
 
+def test_add_bos_token_puts_bos_first(tmp_path: Path) -> None:
+    from hlserve.tokenizer import Tokenizer
+
+    write_llama(tmp_path / "b.gguf", add_bos=True)
+    tok = Tokenizer.from_dir(convert_gguf(tmp_path / "b.gguf", root=tmp_path / "c", quiet=True))
+    assert tok is not None and tok.encode("hi")[0] == 256
+    write_llama(tmp_path / "n.gguf")
+    tok = Tokenizer.from_dir(convert_gguf(tmp_path / "n.gguf", root=tmp_path / "c", quiet=True))
+    assert tok is not None and tok.encode("hi")[0] != 256
+
+
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     write_llama(tmp_path / "g.gguf", arch="gemma")
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gemma'"):

@@ -224,6 +224,14 @@ def gguf_tokenizer(f: GGUFFile) -> tuple[str, dict[str, Any]]:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    bos_id = f.meta.get("tokenizer.ggml.bos_token_id")
+    if f.meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        # Llama 3 style files: BOS in front of every encode, as llama.cpp and transformers do
+        bos = tokens[int(bos_id)]
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                          special_tokens=[(bos, int(bos_id))])])
     # 3 = CONTROL (special), 4 = USER_DEFINED (added, not special); a control token spelled
     # outside the byte alphabet is a llama.cpp mislabel, skipped as transformers does
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
@@ -302,4 +310,9 @@ def _write_converted(f: GGUFFile, out: Path) -> None:
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
