@@ -20,7 +20,7 @@ from hlserve.models.resolve import NAMED_MODELS, resolve_model
 from test_correctness import CONFIGS, PRESET_CONFIGS, make_prompts
 
 MODEL = "smollm2-135m"
-MAX_NEW = 16
+MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 try:
@@ -61,7 +61,10 @@ def case(hf_tok):
                                         add_generation_prompt=True) for t in TEXTS[:3]]
     chats = [list(c["input_ids"]) if isinstance(c, dict) or hasattr(c, "keys") else list(c)
              for c in chats]
-    prompts = make_prompts(7, hf.config.vocab_size) + chats
+    # test_correctness's prompts, lengths 1 to 200 and two behind a shared 48-token prefix
+    # (seven of its ten: 30 layers are slow on 2 cores), then three chat-rendered questions
+    pool = make_prompts(7, hf.config.vocab_size)
+    prompts = [pool[i] for i in (0, 1, 3, 5, 6, 7, 9)] + chats
     refs = [cached_greedy(hf, p, MAX_NEW) for p in prompts]
     return resolve_model(MODEL, quiet=True), prompts, refs
 
@@ -128,3 +131,14 @@ def test_converted_directory_is_a_plain_hf_checkpoint() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.encode(TEXTS[0]) == AutoTokenizer.from_pretrained(
         GGUF_FILE.parent, gguf_file=GGUF_FILE.name).encode(TEXTS[0])
+
+
+def test_cli_generate_chats_with_the_named_model() -> None:
+    """The README's line: the chat template applied by default for a GGUF model."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hlserve.cli", "generate", MODEL, "--prompt",
+                           TEXTS[0]], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "finish_reason=stop" in proc.stdout

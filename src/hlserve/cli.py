@@ -8,10 +8,14 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hlserve.engine.args import add_engine_args, engine_options
 from hlserve.errors import run_command
 from hlserve.models.default_model import default_model
+
+if TYPE_CHECKING:
+    from hlserve.llm import LLM
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> None:
@@ -37,15 +41,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"finish_reason={out.finish_reason}")
 
 
-def _generate_prompt(llm: object, prompt: str, chat: str) -> str | list[int]:
+def _generate_prompt(llm: LLM, prompt: str, chat: str) -> str | list[int]:
     """The prompt as text, or as one user turn rendered by the chat template: ``auto`` renders
     it for an instruct model (a .gguf file or a named one, whose metadata carries its chat
     template), as llama.cpp's CLI does; the random tiny model's text stays raw."""
-    tok = llm.tokenizer  # type: ignore[attr-defined]
+    tok = llm.tokenizer
     has_template = tok is not None and tok.chat_template is not None
     if chat == "on" and not has_template:
         raise ValueError("--chat on: the model has no chat template")
-    if chat == "off" or not has_template or (chat == "auto" and not llm.instruct):  # type: ignore[attr-defined]
+    if chat == "off" or tok is None or not has_template or (chat == "auto" and not llm.instruct):
         return prompt
     return tok.encode_chat([{"role": "user", "content": prompt}])
 
