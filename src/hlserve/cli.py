@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hlserve.server.args import add_server_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
-    p.add_argument("model", help="model directory")
+    p.add_argument("model", help="model directory, .gguf file, or smollm2-135m")
     add_server_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
