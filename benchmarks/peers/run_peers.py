@@ -4,6 +4,8 @@ on this machine, one server after the other in one run.
     python benchmarks/peers/run_peers.py                     # install what is missing, run all
     python benchmarks/peers/run_peers.py --sessions 8 --rounds 3   # a quicker look
     python benchmarks/peers/run_peers.py --profile results/peers/prof   # + py-spy of hlserve
+    python benchmarks/peers/run_peers.py --model smollm2-135m \
+        --servers vllm,hlserve-throughput,hlserve-throughput,vllm   # the real model, A B B A
 
 What it does (following shared/PEERS.md, "vLLM (CPU build)"):
 
@@ -49,6 +51,7 @@ from pathlib import Path
 
 from hlserve.bench.cli import parse_range
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
+from hlserve.models.resolve import resolve_model
 from hlserve.server.launch import ExternalServer, free_port
 from hlserve.stats import clean, fmt_ci, mean_ci, ratio_verdict
 
@@ -216,6 +219,9 @@ def main() -> int:
                          "N threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0..N-1, default 2 as in "
                          "PEERS.md; hlserve: OMP_NUM_THREADS=N, default torch's)")
     ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "qwen2-0.5b-bf16")
+    ap.add_argument("--model", default=None,
+                    help="a real model instead of --model-dir: smollm2-135m or a .gguf file; "
+                         "every server (vLLM included) loads its converted safetensors directory")
     ap.add_argument("--vllm-venv", type=Path,
                     default=Path.home() / ".cache" / "hlserve" / "venv-vllm")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
@@ -238,7 +244,7 @@ def main() -> int:
         else None
     if any(parse_server(n)[:2] == ("vllm", "hlserve") for n in servers):
         ensure_plugin(py)
-    model = ensure_model(args.model_dir)
+    model = Path(resolve_model(args.model)) if args.model else ensure_model(args.model_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     spec = BenchSpec(base_url="", model="m", workload="agent", sessions=args.sessions,
                      rounds=args.rounds, system_prompt_len=args.system_prompt_len,

@@ -8,10 +8,14 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hlserve.engine.args import add_engine_args, engine_options
 from hlserve.errors import run_command
 from hlserve.models.default_model import default_model
+
+if TYPE_CHECKING:
+    from hlserve.llm import LLM
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> None:
@@ -32,9 +36,22 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     for prompt in args.prompt:
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        out = llm.generate([_generate_prompt(llm, prompt, args.chat)], params, use_tqdm=False)[0]
         print(f"--- prompt: {prompt!r}\n{out.text}\n--- {len(out.token_ids)} tokens, "
               f"finish_reason={out.finish_reason}")
+
+
+def _generate_prompt(llm: LLM, prompt: str, chat: str) -> str | list[int]:
+    """The prompt as text, or as one user turn rendered by the chat template: ``auto`` renders
+    it for an instruct model (a .gguf file or a named one, whose metadata carries its chat
+    template), as llama.cpp's CLI does; the random tiny model's text stays raw."""
+    tok = llm.tokenizer
+    has_template = tok is not None and tok.chat_template is not None
+    if chat == "on" and not has_template:
+        raise ValueError("--chat on: the model has no chat template")
+    if chat == "off" or tok is None or not has_template or (chat == "auto" and not llm.instruct):
+        return prompt
+    return tok.encode_chat([{"role": "user", "content": prompt}])
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -42,6 +59,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     repeats with intervals, then the simulated 32K case where the tax exists (bench/demo.py)."""
     from hlserve.bench.demo import DemoSpec, run_demo
 
+    if args.agent:
+        from hlserve.bench.agent_demo import AgentSpec, run_agent_demo
+
+        run_agent_demo(AgentSpec(model=args.model or "smollm2-135m", sessions=args.agent_sessions,
+                                 repeats=args.agent_repeats, seed=args.workload_seed))
+        return
     common = engine_options(args)
     common.pop("mode", None)
     spec = DemoSpec(model=args.model or str(default_model()), sessions=args.sessions,
@@ -75,14 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=cmd_tiny_model)
 
-    p = sub.add_parser("generate", help="generate from a model directory, for a quick look")
-    p.add_argument("model")
+    p = sub.add_parser("generate", help="generate from a model, for a quick look")
+    p.add_argument("model", help="model directory, .gguf file, or smollm2-135m")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                   help="render each prompt as a user turn with the chat template (auto: for "
+                        "a .gguf file or a named model such as smollm2-135m)")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -100,13 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds of the simulated 32K case (default: 3)")
     p.add_argument("--no-sim", dest="sim", action="store_false",
                    help="skip the simulated 32K case")
+    p.add_argument("--agent", action="store_true",
+                   help="instead: tool-calling agent sessions on the real model (smollm2-135m) "
+                        "through the openai SDK against hlserve serve, SLO vs throughput mode")
+    p.add_argument("--agent-sessions", type=int, default=4,
+                   help="--agent: concurrent sessions a run (default: 4)")
+    p.add_argument("--agent-repeats", type=int, default=3,
+                   help="--agent: repeats a mode, interleaved (default: 3)")
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 
     from hlserve.server.args import add_server_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
-    p.add_argument("model", help="model directory")
+    p.add_argument("model", help="model directory, .gguf file, or smollm2-135m")
     add_server_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)

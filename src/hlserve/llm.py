@@ -12,6 +12,7 @@ from hlserve.engine import factory
 from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError
+from hlserve.models.resolve import is_instruct, resolve_model
 from hlserve.request import Request, RequestOutput, SamplingParams, merge_choices
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
@@ -25,7 +26,9 @@ MAX_IDLE_PASSES = 1000
 def build_engine(model: str, *, runner: Callable[[EngineConfig], Any] = TorchRunner,
                  clock: Callable[[], float] | None = None, **engine_options: Any) -> Engine:
     """An Engine on the real runner (``runner`` wraps it for a caller that records steps) with
-    the model's tokenizer, when it has one."""
+    the model's tokenizer, when it has one. ``model``: a directory, a .gguf file or a named
+    real model (models/resolve.py)."""
+    model = resolve_model(model)
     return factory.build_engine(model, engine_options, runner,
                                 tokenizer=lambda: Tokenizer.from_dir(model), clock=clock)
 
@@ -34,6 +37,8 @@ class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine = build_engine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
+        # an instruct checkpoint (GGUF or a named model): ``hlserve generate`` chats with it
+        self.instruct = is_instruct(model)
 
     def generate(
         self,

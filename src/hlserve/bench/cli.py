@@ -105,7 +105,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-class", choices=list(REQUEST_CLASSES), default=None,
                    help="sent as X-Request-Class (hlserve); other servers ignore it")
     g.add_argument("--tokenizer", default=None,
-                   help="model directory or tokenizer.json: text prompts for servers that "
+                   help="model directory, .gguf file, smollm2-135m or tokenizer.json: text "
+                        "prompts for servers that "
                         "refuse token ids, output ids for servers that do not return them")
     g.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
                    help="auto: token ids if the server takes them (default)")

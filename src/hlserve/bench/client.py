@@ -61,12 +61,15 @@ def api_root(base_url: str) -> str:
 
 
 def load_tokenizer(path: str | Path | None):
-    """A ``tokenizers.Tokenizer`` from a model directory or a ``tokenizer.json``; None: none."""
+    """A ``tokenizers.Tokenizer`` from a model directory, a ``tokenizer.json``, a .gguf file or
+    a named model; None: none."""
     if path is None:
         return None
     from tokenizers import Tokenizer
 
-    p = Path(path)
+    from hlserve.models.resolve import resolve_model
+
+    p = Path(resolve_model(path))
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 
 
