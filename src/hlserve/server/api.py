@@ -44,6 +44,13 @@ from starlette.requests import ClientDisconnect
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import RequestOutput, SamplingParams, TokenLogprobs
+from hlserve.server.agent_checks import (
+    check_constrained,
+    check_response_format,
+    check_tools,
+    parse_tool_call_arguments,
+    reasoning_kwargs,
+)
 from hlserve.server.args import REQUEST_CLASSES, ServerSettings
 from hlserve.server.auth import ApiKey, KeyTable
 from hlserve.server.bridge import (
@@ -54,6 +61,7 @@ from hlserve.server.bridge import (
     RequestGroup,
     Submission,
 )
+from hlserve.server.defaults import SamplingDefaults
 from hlserve.server.guided import request_constraint
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -122,6 +130,8 @@ class ServerState:
         self.bridge = EngineBridge(engine, self.metrics, BridgeLimits.from_settings(settings))
         self.clock = engine.clock
         self.created = now_s()
+        # generation_config.json's sampling defaults, for fields a request leaves out
+        self.sampling_defaults = SamplingDefaults.load(model_path)
 
 
 def served_name(model_path: str) -> str:
@@ -362,6 +372,10 @@ async def read_request(request: Request, st: ServerState,
         raise validation_error(e) from None
     check_model(st, req.model)
     req.check_supported()
+    check_response_format(req.response_format)
+    if isinstance(req, ChatCompletionRequest):
+        check_tools(req.tools, req.tool_choice)
+    req = st.sampling_defaults.apply(req)
     return Inbound(req, caller_of(request, st, req), arrival, offload)
 
 
@@ -500,9 +514,10 @@ async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool
         raise ApiError(400, f"chat_template_kwargs cannot set {sorted(clash)}: the server "
                        "passes them to the template itself", param="chat_template_kwargs",
                        code="invalid_value")
+    kwargs = {**reasoning_kwargs(req), **kwargs}
     if req.tools:
         kwargs["tools"] = req.tools
-    messages = req.template_messages()
+    messages = parse_tool_call_arguments(req.template_messages())
     run = partial(bounded_chat, tok, messages, req.add_generation_prompt, kwargs,
                   st.max_model_len)
     try:
@@ -529,8 +544,10 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
     if requested is None:
         if n_prompt >= st.max_model_len:
             raise context_length_error(st.max_model_len, n_prompt, None)
-        # the rest of the context, but no more than the KV pool could ever hold
-        max_tokens = max(1, min(st.max_model_len, st.pool_tokens) - n_prompt)
+        # the rest of the context, but no more than the KV pool could ever hold (nor the
+        # model's max_new_tokens)
+        max_tokens = st.sampling_defaults.max_tokens(
+            max(1, min(st.max_model_len, st.pool_tokens) - n_prompt))
     else:
         if n_prompt + requested > st.max_model_len:
             raise context_length_error(st.max_model_len, n_prompt, requested)
@@ -552,10 +569,14 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
     before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
     spec = request_constraint(req)
     plan, functions = chat_tool_plan(st, req)
+    if plan.mode is not None:  # a tokenizer may mark a tool-call tag as special (vLLM's rule)
+        params = [replace(p, skip_special_tokens=False) for p in params]
+    check_constrained(req, spec, "an output constraint")
     if (tool_spec := plan.constraint(functions)) is not None:
         if spec is not None:
             raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
                            "output constraint", param="tool_choice", code="invalid_value")
+        check_constrained(req, tool_spec, f"tool_choice {plan.mode}")
         spec = tool_spec
     if spec is None:
         return params

@@ -166,9 +166,11 @@ class ToolPlan:
     def final(self, text: str, finish_reason: str | None
               ) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, tool calls, finish reason) of a finished reply."""
-        if self.mode == "named" and finish_reason == "stop":
+        if self.mode == "named":
+            # always a call, as vLLM answers it and as it streams: cut by length, its
+            # arguments are the partial JSON generated (finish_reason "length" says so)
             assert self.name is not None
-            return None, [ToolCall(self.name, text)], "stop"  # vLLM: named keeps "stop"
+            return None, [ToolCall(self.name, text)], finish_reason  # named keeps "stop"
         if self.mode == "required" and finish_reason == "stop":
             try:
                 calls = [_call_of(c, ("parameters",)) for c in json.loads(text)]
