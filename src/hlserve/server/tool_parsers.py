@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.server.protocol import ApiError
+from hlserve.server.tool_streaming import (
+    CallSegment,
+    CallStreamer,
+    hermes_segments,
+    llama3_segments,
+    required_segments,
+)
 from hlserve.structured import StructuredOutputsParams
 
 
@@ -47,6 +54,10 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
+    def segments(self, text: str) -> list[CallSegment]:
+        """The calls in ``text`` so far, as partial JSON (server/tool_streaming.py)."""
+        raise NotImplementedError
+
 
 class HermesParser(ToolParser):
     """Qwen2.5 / Qwen3 (and Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
@@ -70,6 +81,9 @@ class HermesParser(ToolParser):
             calls.append(call)
         content = text[:at].rstrip()
         return content or None, calls
+
+    def segments(self, text: str) -> list[CallSegment]:
+        return hermes_segments(text)
 
 
 class Llama3JsonParser(ToolParser):
@@ -96,6 +110,9 @@ class Llama3JsonParser(ToolParser):
             while pos < len(body) and body[pos] in " \n\t;":
                 pos += 1
         return None, calls
+
+    def segments(self, text: str) -> list[CallSegment]:
+        return llama3_segments(text)
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
@@ -236,15 +253,17 @@ def apply_tool_calls(plan: ToolPlan, choices: list[dict[str, Any]],
 
 
 class ToolStream:
-    """One streamed choice's tool calls. Named: the arguments stream as they are generated.
-    Required and auto: text that may be a tool call is held back and the calls go out,
-    whole, in the final chunk (a client accumulating deltas by index gets the same calls)."""
+    """One streamed choice's tool calls, as vLLM streams them. Named: the arguments stream
+    as they are generated. Required and auto: each call's name once complete, then its
+    arguments as generated (server/tool_streaming.py); text that may start a call is held
+    back from ``content``. Concatenated by index, the deltas are the unstreamed calls."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.held = ""
         self.named_call: ToolCall | None = None
         self.sent_content = 0
+        self.calls = CallStreamer()
 
     def delta(self, text: str, full: str, finished: bool, finish_reason: str | None
               ) -> tuple[dict[str, Any], str | None]:
@@ -262,10 +281,13 @@ class ToolStream:
             return ({"tool_calls": [call]} if text or first else {}), finish_reason
         if plan.mode == "required":
             if not finished:
-                return {}, None
+                deltas = self.calls.update(required_segments(full))
+                return ({"tool_calls": deltas} if deltas else {}), None
             _, calls, reason = plan.final(full, finish_reason)
-            return ({"tool_calls": [c.wire(i) for i, c in enumerate(calls)]} if calls
-                    else {"content": full}), reason
+            if calls or self.calls.started:
+                deltas = self.calls.finish(calls)
+                return ({"tool_calls": deltas} if deltas else {}), reason
+            return {"content": full}, reason
         return self._auto(full, finished, finish_reason)
 
     def _auto(self, full: str, finished: bool, finish_reason: str | None
@@ -278,16 +300,25 @@ class ToolStream:
             safe = at if at >= 0 else len(full) - _partial_suffix(full, start)
             if isinstance(self.plan.parser, Llama3JsonParser):
                 safe = 0 if full.lstrip()[:1] in ("", "{", "<") else len(full)
+            # trailing whitespace waits: content before a call is sent stripped
+            safe = len(full[:safe].rstrip())
             piece = full[self.sent_content:max(safe, self.sent_content)]
             self.sent_content += len(piece)
-            return ({"content": piece} if piece else {}), None
+            out: dict[str, Any] = {"content": piece} if piece else {}
+            if at >= 0 or safe == 0:
+                calls = self.plan.parser.segments(full)
+                if not self.plan.parallel:
+                    calls = calls[:1]
+                if deltas := self.calls.update(calls):
+                    out["tool_calls"] = deltas
+            return out, None
         content, calls, reason = self.plan.final(full, finish_reason)
-        out: dict[str, Any] = {}
+        out = {}
         rest = (content or "")[self.sent_content:] if calls else full[self.sent_content:]
         if rest:
             out["content"] = rest
-        if calls:
-            out["tool_calls"] = [c.wire(i) for i, c in enumerate(calls)]
+        if (calls or self.calls.started) and (deltas := self.calls.finish(calls)):
+            out["tool_calls"] = deltas
         return out, reason
 
 
