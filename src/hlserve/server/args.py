@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hlserve.request import REQUEST_CLASSES  # noqa: F401  (the server modules' import)
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # vLLM's names (server/tool_parsers.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")  # vLLM's names (server/tool_parsers.py)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROMPTS = 256
 # limits of hlserve serve (docs/server.md, "Limits")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.server.protocol import ApiError
+from hlserve.server.tool_formats import MistralFormat, PythonicFormat, Qwen3CoderFormat
 from hlserve.server.tool_streaming import (
     CallSegment,
     CallStreamer,
@@ -115,7 +116,38 @@ class Llama3JsonParser(ToolParser):
         return llama3_segments(text)
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class FormatParser(ToolParser):
+    """A parser of server/tool_formats.py (which knows nothing of ToolCall)."""
+
+    format: Any = None
+
+    def __init__(self, functions: dict[str, dict[str, Any]] | None = None) -> None:
+        self.fmt = self.format(functions) if self.format is Qwen3CoderFormat else self.format()
+        self.start = self.fmt.start
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = self.fmt.extract(text)
+        return content, [ToolCall(name, args) for name, args in calls]
+
+    def segments(self, text: str) -> list[CallSegment]:
+        return self.fmt.segments(text)
+
+
+class Qwen3CoderParser(FormatParser):
+    format = Qwen3CoderFormat
+
+
+class MistralParser(FormatParser):
+    format = MistralFormat
+
+
+class PythonicParser(FormatParser):
+    format = PythonicFormat
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
+    "mistral": MistralParser, "pythonic": PythonicParser}
 
 
 # ---- tool_choice ------------------------------------------------------------------------------
@@ -221,7 +253,10 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bo
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                            "--tool-call-parser to be set", param="tool_choice",
                            code="invalid_value")
-        return ToolPlan("auto", PARSERS[parser](), parallel=par), functions
+        made = PARSERS[parser]
+        # qwen3_coder converts each parameter's text by the tool's schema
+        instance = made(functions) if issubclass(made, FormatParser) else made()
+        return ToolPlan("auto", instance, parallel=par), functions
     if choice == "required":
         return ToolPlan("required", parallel=par), functions
     if isinstance(choice, dict):
