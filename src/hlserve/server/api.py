@@ -81,6 +81,12 @@ from hlserve.server.protocol import (
     usage,
     validation_error,
 )
+from hlserve.server.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    apply_reasoning,
+    reasoning_for,
+)
 from hlserve.server.tool_parsers import ToolPlan, ToolStream, apply_tool_calls, tool_plan
 from hlserve.structured import StructuredOutputsParams
 from hlserve.tokenizer import Tokenizer
@@ -555,6 +561,14 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
     return req.sampling_params(max_tokens)
 
 
+def chat_reasoning(st: ServerState, req: Any) -> ReasoningParser | None:
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    constrained = request_constraint(req) is not None or \
+        chat_tool_plan(st, req)[0].mode in ("named", "required")
+    return reasoning_for(st.settings.reasoning_parser, constrained)
+
+
 def chat_tool_plan(st: ServerState, req: Any) -> tuple[ToolPlan, dict[str, Any]]:
     if not isinstance(req, ChatCompletionRequest):
         return ToolPlan(), {}
@@ -709,6 +723,7 @@ def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
                 chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
                 "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
                for i, o in enumerate(outs)]
+    apply_reasoning(chat_reasoning(st, req), choices)  # server/reasoning.py
     apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
             "choices": choices, "usage": total_usage(outs, req.n)}
@@ -726,6 +741,7 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
         fmt.echo = echo
         fmt.per_prompt = req.n  # streamed choices: best_of > n is refused with stream
         fmt.tool_plan = chat_tool_plan(st, req)[0]
+        fmt.reasoning = chat_reasoning(st, req)
         return EngineStreamResponse(stream(group, fmt, req.stream_options),
                                     group.abort_unfinished)
     outs = await collect(request, group)
@@ -995,18 +1011,28 @@ class _ChatChunks(_Chunks):
                                "logprobs": None, "finish_reason": None}])
 
     tool_plan = ToolPlan()
+    reasoning: ReasoningParser | None = None
 
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
         fields = self.finish_fields(index, out, new_ids, first)
+        full, thought = out.text, ""
+        if self.reasoning is not None:  # <think> text as reasoning_content (reasoning.py)
+            rs = self.__dict__.setdefault("_reasoning", {}).setdefault(
+                index, ReasoningStream(self.reasoning))
+            thought, full = rs.step(out.text, out.finished)
+            sent = self.__dict__.setdefault("_content_sent", {})
+            text, sent[index] = full[sent.get(index, 0):], len(full)
         if self.tool_plan.mode is not None:  # tool calls as deltas (server/tool_parsers.py)
             streams = self.__dict__.setdefault("_tool_streams", {})
             ts = streams.setdefault(index, ToolStream(self.tool_plan))
-            delta, reason = ts.delta(text, out.text, out.finished, out.finish_reason)
+            delta, reason = ts.delta(text, full, out.finished, out.finish_reason)
             if out.finished:
                 fields["finish_reason"] = reason
-            return {"index": index, "delta": delta, **fields}
-        delta = {"content": text} if text or not out.finished else {}
+        else:
+            delta = {"content": text} if text or not (out.finished or thought) else {}
+        if thought:
+            delta = {"reasoning_content": thought, **delta}
         return {"index": index, "delta": delta, **fields}
 
     def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:

@@ -280,7 +280,8 @@ def apply_tool_calls(plan: ToolPlan, choices: list[dict[str, Any]],
     if plan.mode is None:
         return
     for c, o in zip(choices, outs, strict=True):
-        content, calls, reason = plan.final(o.text, o.finish_reason)
+        # the content: the text, less any reasoning split out before (server/reasoning.py)
+        content, calls, reason = plan.final(c["message"]["content"] or "", o.finish_reason)
         c["message"]["content"] = content
         if calls:
             c["message"]["tool_calls"] = [call.wire() for call in calls]
