@@ -299,3 +299,25 @@ def test_special_tool_tag_reaches_the_parser(client: openai.OpenAI) -> None:
     # without tools, special tokens are skipped as before
     assert chat(client, max_tokens=1, logit_bias={str(TOOL_TAG_ID): 100}
                 ).choices[0].message.content == ""
+
+
+# ---- vLLM's metric names ------------------------------------------------------------------------
+
+
+def test_metrics_under_vllm_names(server, client: openai.OpenAI) -> None:
+    """vLLM's dashboards query vllm:...: every family with vLLM's name and meaning is there
+    too, with the same samples; hlserve's own families are not aliased."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chat(client, max_tokens=2)
+    fams = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(server.url + "/metrics").text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions", "prompt_tokens", "generation_tokens",
+                 "prefix_cache_queries", "prefix_cache_hits", "request_success",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        ours, theirs = fams[f"hlserve:{name}"], fams[f"vllm:{name}"]
+        assert [(s.name.replace("hlserve:", "vllm:"), s.labels, s.value)
+                for s in ours.samples] == [(s.name, s.labels, s.value) for s in theirs.samples]
+    assert "vllm:requests_rejected" not in fams and "hlserve:requests_rejected" in fams
