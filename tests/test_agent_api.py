@@ -321,3 +321,32 @@ def test_metrics_under_vllm_names(server, client: openai.OpenAI) -> None:
         assert [(s.name.replace("hlserve:", "vllm:"), s.labels, s.value)
                 for s in ours.samples] == [(s.name, s.labels, s.value) for s in theirs.samples]
     assert "vllm:requests_rejected" not in fams and "hlserve:requests_rejected" in fams
+
+
+# ---- a multi-turn tool loop through chat completions -----------------------------------------------
+
+
+def test_multi_turn_tool_loop_renders_as_vllm(server, client: openai.OpenAI) -> None:
+    """Calls parsed, executed, fed back as the SDK sends them (arguments as strings), twice;
+    the prompt of the next turn is the history with the arguments as objects, which is what
+    vLLM renders (/tokenize of the dict form)."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in two cities?"}]
+    for _ in range(2):
+        r = chat(client, messages=messages, tools=[WEATHER], tool_choice="required",
+                 parallel_tool_calls=False, max_tokens=120, temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls"
+        call = r.choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        result = f"{args['city']}: 21 degrees {args['unit']}"  # the tool, executed
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": result}]
+    assert isinstance(messages[1]["tool_calls"][0]["function"]["arguments"], str)
+    r = chat(client, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=1,
+             extra_body={"return_token_ids": True})
+    as_dicts = json.loads(json.dumps(messages))
+    for m in as_dicts:
+        for tc in m.get("tool_calls") or ():
+            tc["function"]["arguments"] = json.loads(tc["function"]["arguments"])
+    t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": as_dicts,
+                                                   "tools": [WEATHER]}, timeout=60)
+    assert r.choices[0].model_extra["prompt_token_ids"] == t.json()["tokens"]
