@@ -30,7 +30,7 @@ def test_llama3_json_calls() -> None:
     assert Llama3JsonParser().extract("Hello {x}") == ("Hello {x}", [])
 
 
-def test_auto_stream_holds_back_a_call_and_sends_it_whole() -> None:
+def test_auto_stream_holds_back_the_tag_and_streams_the_call() -> None:
     plan = ToolPlan("auto", HermesParser())
     ts = ToolStream(plan)
     text = 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
@@ -40,8 +40,12 @@ def test_auto_stream_holds_back_a_call_and_sends_it_whole() -> None:
         deltas.append(ts.delta(ch, full, False, None)[0])
     last, reason = ts.delta("", full, True, "stop")
     content = "".join(d.get("content", "") for d in [*deltas, last])
-    assert content == "Hi " and reason == "tool_calls"
-    assert last["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert content == "Hi" and reason == "tool_calls"  # as unstreamed: stripped before a call
+    calls = [tc for d in [*deltas, last] for tc in d.get("tool_calls") or ()]
+    assert calls[0]["function"]["name"] == "add"  # first, alone, with the id
+    assert "id" in calls[0] and "name" not in calls[1]["function"]
+    assert "".join(tc["function"]["arguments"] for tc in calls) == '{"a": 1}'
+    assert calls[-1]["function"]["arguments"] == "}"  # the rest only at the end
 
 
 def test_parallel_false_keeps_one_auto_call() -> None:

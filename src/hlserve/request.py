@@ -45,6 +45,9 @@ class SamplingParams:
     # constrained decoding (JSON schema, regex, choice, grammar): the sampler masks every
     # token the grammar does not allow (hlserve.structured); None: unconstrained
     structured_outputs: StructuredOutputsParams | None = None
+    # False: special tokens stay in the text (vLLM's flag; the server sets it when tools are
+    # present, since a tokenizer may mark a tool-call tag as special)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))

@@ -197,8 +197,9 @@ class IncrementalDetokenizer:
     step decodes a short window (from ``prefix`` on) and emits only what is new and complete.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
@@ -212,8 +213,8 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        done = self.tok.decode(self.ids[self.prefix : self.read])
-        now = self.tok.decode(self.ids[self.prefix :])
+        done = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        now = self.tok.decode(self.ids[self.prefix :], self.skip)
         if len(now) > len(done) and (final or not now.endswith("\ufffd")):
             delta = now[len(done) :]
             self.prefix, self.read = self.read, len(self.ids)

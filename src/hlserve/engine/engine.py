@@ -163,7 +163,8 @@ class Engine:
             req.request_id = request_id
         self.requests[req.request_id] = req
         if self.tokenizer is not None:
-            self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(req)
         return req
 
@@ -467,7 +468,11 @@ class Engine:
         n_out = len(req.output_token_ids)
         detok = self._detok.get(req.request_id)
         delta = ""
-        if detok is not None:
+        # special tokens kept in the text (tools present): the token that ends the reply is
+        # still not part of it, as vLLM leaves its stop tokens out
+        ends_here = n_out >= p.min_tokens and (token in p.stop_token_ids or (
+            not p.ignore_eos and token in req.eos_token_ids))
+        if detok is not None and (p.skip_special_tokens or not ends_here):
             delta = detok.add(token)
             req.output_text = detok.text
         if n_out >= p.min_tokens:

@@ -44,6 +44,13 @@ from starlette.requests import ClientDisconnect
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import RequestOutput, SamplingParams, TokenLogprobs
+from hlserve.server.agent_checks import (
+    check_constrained,
+    check_response_format,
+    check_tools,
+    parse_tool_call_arguments,
+    reasoning_kwargs,
+)
 from hlserve.server.args import REQUEST_CLASSES, ServerSettings
 from hlserve.server.auth import ApiKey, KeyTable
 from hlserve.server.bridge import (
@@ -54,6 +61,7 @@ from hlserve.server.bridge import (
     RequestGroup,
     Submission,
 )
+from hlserve.server.defaults import SamplingDefaults
 from hlserve.server.guided import request_constraint
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -72,6 +80,12 @@ from hlserve.server.protocol import (
     now_s,
     usage,
     validation_error,
+)
+from hlserve.server.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    apply_reasoning,
+    reasoning_for,
 )
 from hlserve.server.tool_parsers import ToolPlan, ToolStream, apply_tool_calls, tool_plan
 from hlserve.structured import StructuredOutputsParams
@@ -122,6 +136,8 @@ class ServerState:
         self.bridge = EngineBridge(engine, self.metrics, BridgeLimits.from_settings(settings))
         self.clock = engine.clock
         self.created = now_s()
+        # generation_config.json's sampling defaults, for fields a request leaves out
+        self.sampling_defaults = SamplingDefaults.load(model_path)
 
 
 def served_name(model_path: str) -> str:
@@ -362,6 +378,10 @@ async def read_request(request: Request, st: ServerState,
         raise validation_error(e) from None
     check_model(st, req.model)
     req.check_supported()
+    check_response_format(req.response_format)
+    if isinstance(req, ChatCompletionRequest):
+        check_tools(req.tools, req.tool_choice)
+    req = st.sampling_defaults.apply(req)
     return Inbound(req, caller_of(request, st, req), arrival, offload)
 
 
@@ -500,9 +520,10 @@ async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool
         raise ApiError(400, f"chat_template_kwargs cannot set {sorted(clash)}: the server "
                        "passes them to the template itself", param="chat_template_kwargs",
                        code="invalid_value")
+    kwargs = {**reasoning_kwargs(req), **kwargs}
     if req.tools:
         kwargs["tools"] = req.tools
-    messages = req.template_messages()
+    messages = parse_tool_call_arguments(req.template_messages())
     run = partial(bounded_chat, tok, messages, req.add_generation_prompt, kwargs,
                   st.max_model_len)
     try:
@@ -529,13 +550,23 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
     if requested is None:
         if n_prompt >= st.max_model_len:
             raise context_length_error(st.max_model_len, n_prompt, None)
-        # the rest of the context, but no more than the KV pool could ever hold
-        max_tokens = max(1, min(st.max_model_len, st.pool_tokens) - n_prompt)
+        # the rest of the context, but no more than the KV pool could ever hold (nor the
+        # model's max_new_tokens)
+        max_tokens = st.sampling_defaults.max_tokens(
+            max(1, min(st.max_model_len, st.pool_tokens) - n_prompt))
     else:
         if n_prompt + requested > st.max_model_len:
             raise context_length_error(st.max_model_len, n_prompt, requested)
         max_tokens = requested
     return req.sampling_params(max_tokens)
+
+
+def chat_reasoning(st: ServerState, req: Any) -> ReasoningParser | None:
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    constrained = request_constraint(req) is not None or \
+        chat_tool_plan(st, req)[0].mode in ("named", "required")
+    return reasoning_for(st.settings.reasoning_parser, constrained)
 
 
 def chat_tool_plan(st: ServerState, req: Any) -> tuple[ToolPlan, dict[str, Any]]:
@@ -552,10 +583,14 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
     before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
     spec = request_constraint(req)
     plan, functions = chat_tool_plan(st, req)
+    if plan.mode is not None:  # a tokenizer may mark a tool-call tag as special (vLLM's rule)
+        params = [replace(p, skip_special_tokens=False) for p in params]
+    check_constrained(req, spec, "an output constraint")
     if (tool_spec := plan.constraint(functions)) is not None:
         if spec is not None:
             raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
                            "output constraint", param="tool_choice", code="invalid_value")
+        check_constrained(req, tool_spec, f"tool_choice {plan.mode}")
         spec = tool_spec
     if spec is None:
         return params
@@ -688,6 +723,7 @@ def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
                 chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
                 "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
                for i, o in enumerate(outs)]
+    apply_reasoning(chat_reasoning(st, req), choices)  # server/reasoning.py
     apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
             "choices": choices, "usage": total_usage(outs, req.n)}
@@ -705,6 +741,7 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
         fmt.echo = echo
         fmt.per_prompt = req.n  # streamed choices: best_of > n is refused with stream
         fmt.tool_plan = chat_tool_plan(st, req)[0]
+        fmt.reasoning = chat_reasoning(st, req)
         return EngineStreamResponse(stream(group, fmt, req.stream_options),
                                     group.abort_unfinished)
     outs = await collect(request, group)
@@ -974,18 +1011,28 @@ class _ChatChunks(_Chunks):
                                "logprobs": None, "finish_reason": None}])
 
     tool_plan = ToolPlan()
+    reasoning: ReasoningParser | None = None
 
     def choice(self, index: int, text: str, out: RequestOutput, new_ids: list[int],
                first: bool) -> dict[str, Any]:
         fields = self.finish_fields(index, out, new_ids, first)
+        full, thought = out.text, ""
+        if self.reasoning is not None:  # <think> text as reasoning_content (reasoning.py)
+            rs = self.__dict__.setdefault("_reasoning", {}).setdefault(
+                index, ReasoningStream(self.reasoning))
+            thought, full = rs.step(out.text, out.finished)
+            sent = self.__dict__.setdefault("_content_sent", {})
+            text, sent[index] = full[sent.get(index, 0):], len(full)
         if self.tool_plan.mode is not None:  # tool calls as deltas (server/tool_parsers.py)
             streams = self.__dict__.setdefault("_tool_streams", {})
             ts = streams.setdefault(index, ToolStream(self.tool_plan))
-            delta, reason = ts.delta(text, out.text, out.finished, out.finish_reason)
+            delta, reason = ts.delta(text, full, out.finished, out.finish_reason)
             if out.finished:
                 fields["finish_reason"] = reason
-            return {"index": index, "delta": delta, **fields}
-        delta = {"content": text} if text or not out.finished else {}
+        else:
+            delta = {"content": text} if text or not (out.finished or thought) else {}
+        if thought:
+            delta = {"reasoning_content": thought, **delta}
         return {"index": index, "delta": delta, **fields}
 
     def logprobs(self, index: int, out: RequestOutput, new_ids: list[int]) -> dict[str, Any] | None:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from hlserve.request import REQUEST_CLASSES  # noqa: F401  (the server modules' import)
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # vLLM's names (server/tool_parsers.py)
+# vLLM's names (server/tool_parsers.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names (server/reasoning.py)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROMPTS = 256
 # limits of hlserve serve (docs/server.md, "Limits")
@@ -52,6 +54,7 @@ class ServerSettings:
     # tool calling, vLLM's flags: the format the model writes tool calls in, and whether
     # tool_choice "auto" (the default when tools are sent) is allowed at all
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
 
 
@@ -121,8 +124,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 "
-                        "<tool_call>{json}</tool_call>) or llama3_json (Llama 3 JSON); parsed "
-                        "into tool_calls under tool_choice auto")
+                        "<tool_call>{json}</tool_call>), llama3_json (Llama 3 JSON), "
+                        "qwen3_coder (XML), mistral ([TOOL_CALLS]) or pythonic (a Python "
+                        "list of calls); parsed into tool_calls under tool_choice auto")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="put the model's <think>...</think> text into reasoning_content: "
+                        "qwen3 or deepseek_r1 (vLLM's names)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto' (needs --tool-call-parser), as vLLM")
 
@@ -148,5 +155,6 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         log_level=args.log_level,
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
     )

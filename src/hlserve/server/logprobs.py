@@ -15,6 +15,13 @@ from typing import Any
 from hlserve.request import TokenLogprobs
 from hlserve.tokenizer import Tokenizer
 
+# a token the grammar forbids has logprob -inf, which JSON cannot carry: vLLM's floor
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
 
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     if tokenizer is None:
@@ -35,15 +42,15 @@ def completion_logprobs(tokenizer: Tokenizer | None, ids: Sequence[int],
         offset += len(text)
         top: dict[str, float] = {}
         for alt, lp in entry.top:
-            top.setdefault(token_text(tokenizer, alt), lp)
+            top.setdefault(token_text(tokenizer, alt), _finite(lp))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
             "top_logprobs": tops, "text_offset": offsets}
 
 
 def _chat_entry(tokenizer: Tokenizer | None, token_id: int, logprob: float) -> dict[str, Any]:
     text = token_text(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer: Tokenizer | None, ids: Sequence[int],

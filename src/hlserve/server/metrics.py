@@ -23,6 +23,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from hlserve.server.args import REQUEST_CLASSES
 
 PREFIX = "hlserve:"
+# every family whose name and meaning are vLLM's is also exposed under vLLM's prefix, so
+# vLLM's Grafana dashboards and alerts work unchanged; hlserve's own are not
+VLLM_PREFIX = "vllm:"
+HLSERVE_ONLY = ("requests_rejected", "engine_step_errors")
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -91,7 +95,19 @@ class ServerMetrics:
         self.requests_rejected.labels(self.model_name, reason).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text + vllm_aliases(text)
+
+
+def vllm_aliases(text: bytes) -> bytes:
+    """The ``hlserve:`` families of an exposition again under ``vllm:`` (same samples)."""
+    out = []
+    mine = tuple(f"{PREFIX}{n}".encode() for n in HLSERVE_ONLY)
+    for line in text.splitlines(keepends=True):
+        name = line.split(b" ", 3)[2] if line.startswith(b"# ") else line
+        if name.startswith(PREFIX.encode()) and not name.startswith(mine):
+            out.append(line.replace(PREFIX.encode(), VLLM_PREFIX.encode(), 1))
+    return b"".join(out)
 
 
 class _ClassMetrics:

@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.server.protocol import ApiError
+from hlserve.server.tool_formats import MistralFormat, PythonicFormat, Qwen3CoderFormat
+from hlserve.server.tool_streaming import (
+    CallSegment,
+    CallStreamer,
+    hermes_segments,
+    llama3_segments,
+    required_segments,
+)
 from hlserve.structured import StructuredOutputsParams
 
 
@@ -47,6 +55,10 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
 
+    def segments(self, text: str) -> list[CallSegment]:
+        """The calls in ``text`` so far, as partial JSON (server/tool_streaming.py)."""
+        raise NotImplementedError
+
 
 class HermesParser(ToolParser):
     """Qwen2.5 / Qwen3 (and Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
@@ -70,6 +82,9 @@ class HermesParser(ToolParser):
             calls.append(call)
         content = text[:at].rstrip()
         return content or None, calls
+
+    def segments(self, text: str) -> list[CallSegment]:
+        return hermes_segments(text)
 
 
 class Llama3JsonParser(ToolParser):
@@ -97,8 +112,42 @@ class Llama3JsonParser(ToolParser):
                 pos += 1
         return None, calls
 
+    def segments(self, text: str) -> list[CallSegment]:
+        return llama3_segments(text)
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+class FormatParser(ToolParser):
+    """A parser of server/tool_formats.py (which knows nothing of ToolCall)."""
+
+    format: Any = None
+
+    def __init__(self, functions: dict[str, dict[str, Any]] | None = None) -> None:
+        self.fmt = self.format(functions) if self.format is Qwen3CoderFormat else self.format()
+        self.start = self.fmt.start
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = self.fmt.extract(text)
+        return content, [ToolCall(name, args) for name, args in calls]
+
+    def segments(self, text: str) -> list[CallSegment]:
+        return self.fmt.segments(text)
+
+
+class Qwen3CoderParser(FormatParser):
+    format = Qwen3CoderFormat
+
+
+class MistralParser(FormatParser):
+    format = MistralFormat
+
+
+class PythonicParser(FormatParser):
+    format = PythonicFormat
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
+    "mistral": MistralParser, "pythonic": PythonicParser}
 
 
 # ---- tool_choice ------------------------------------------------------------------------------
@@ -166,9 +215,11 @@ class ToolPlan:
     def final(self, text: str, finish_reason: str | None
               ) -> tuple[str | None, list[ToolCall], str | None]:
         """(content, tool calls, finish reason) of a finished reply."""
-        if self.mode == "named" and finish_reason == "stop":
+        if self.mode == "named":
+            # always a call, as vLLM answers it and as it streams: cut by length, its
+            # arguments are the partial JSON generated (finish_reason "length" says so)
             assert self.name is not None
-            return None, [ToolCall(self.name, text)], "stop"  # vLLM: named keeps "stop"
+            return None, [ToolCall(self.name, text)], finish_reason  # named keeps "stop"
         if self.mode == "required" and finish_reason == "stop":
             try:
                 calls = [_call_of(c, ("parameters",)) for c in json.loads(text)]
@@ -202,7 +253,10 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bo
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                            "--tool-call-parser to be set", param="tool_choice",
                            code="invalid_value")
-        return ToolPlan("auto", PARSERS[parser](), parallel=par), functions
+        made = PARSERS[parser]
+        # qwen3_coder converts each parameter's text by the tool's schema
+        instance = made(functions) if issubclass(made, FormatParser) else made()
+        return ToolPlan("auto", instance, parallel=par), functions
     if choice == "required":
         return ToolPlan("required", parallel=par), functions
     if isinstance(choice, dict):
@@ -226,7 +280,8 @@ def apply_tool_calls(plan: ToolPlan, choices: list[dict[str, Any]],
     if plan.mode is None:
         return
     for c, o in zip(choices, outs, strict=True):
-        content, calls, reason = plan.final(o.text, o.finish_reason)
+        # the content: the text, less any reasoning split out before (server/reasoning.py)
+        content, calls, reason = plan.final(c["message"]["content"] or "", o.finish_reason)
         c["message"]["content"] = content
         if calls:
             c["message"]["tool_calls"] = [call.wire() for call in calls]
@@ -234,15 +289,17 @@ def apply_tool_calls(plan: ToolPlan, choices: list[dict[str, Any]],
 
 
 class ToolStream:
-    """One streamed choice's tool calls. Named: the arguments stream as they are generated.
-    Required and auto: text that may be a tool call is held back and the calls go out,
-    whole, in the final chunk (a client accumulating deltas by index gets the same calls)."""
+    """One streamed choice's tool calls, as vLLM streams them. Named: the arguments stream
+    as they are generated. Required and auto: each call's name once complete, then its
+    arguments as generated (server/tool_streaming.py); text that may start a call is held
+    back from ``content``. Concatenated by index, the deltas are the unstreamed calls."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.held = ""
         self.named_call: ToolCall | None = None
         self.sent_content = 0
+        self.calls = CallStreamer()
 
     def delta(self, text: str, full: str, finished: bool, finish_reason: str | None
               ) -> tuple[dict[str, Any], str | None]:
@@ -260,10 +317,13 @@ class ToolStream:
             return ({"tool_calls": [call]} if text or first else {}), finish_reason
         if plan.mode == "required":
             if not finished:
-                return {}, None
+                deltas = self.calls.update(required_segments(full))
+                return ({"tool_calls": deltas} if deltas else {}), None
             _, calls, reason = plan.final(full, finish_reason)
-            return ({"tool_calls": [c.wire(i) for i, c in enumerate(calls)]} if calls
-                    else {"content": full}), reason
+            if calls or self.calls.started:
+                deltas = self.calls.finish(calls)
+                return ({"tool_calls": deltas} if deltas else {}), reason
+            return {"content": full}, reason
         return self._auto(full, finished, finish_reason)
 
     def _auto(self, full: str, finished: bool, finish_reason: str | None
@@ -276,16 +336,25 @@ class ToolStream:
             safe = at if at >= 0 else len(full) - _partial_suffix(full, start)
             if isinstance(self.plan.parser, Llama3JsonParser):
                 safe = 0 if full.lstrip()[:1] in ("", "{", "<") else len(full)
+            # trailing whitespace waits: content before a call is sent stripped
+            safe = len(full[:safe].rstrip())
             piece = full[self.sent_content:max(safe, self.sent_content)]
             self.sent_content += len(piece)
-            return ({"content": piece} if piece else {}), None
+            out: dict[str, Any] = {"content": piece} if piece else {}
+            if at >= 0 or safe == 0:
+                calls = self.plan.parser.segments(full)
+                if not self.plan.parallel:
+                    calls = calls[:1]
+                if deltas := self.calls.update(calls):
+                    out["tool_calls"] = deltas
+            return out, None
         content, calls, reason = self.plan.final(full, finish_reason)
-        out: dict[str, Any] = {}
+        out = {}
         rest = (content or "")[self.sent_content:] if calls else full[self.sent_content:]
         if rest:
             out["content"] = rest
-        if calls:
-            out["tool_calls"] = [c.wire(i) for i, c in enumerate(calls)]
+        if (calls or self.calls.started) and (deltas := self.calls.finish(calls)):
+            out["tool_calls"] = deltas
         return out, reason
 
 
