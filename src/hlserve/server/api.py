@@ -54,7 +54,7 @@ from hlserve.server.bridge import (
     RequestGroup,
     Submission,
 )
-from hlserve.server.guided import request_constraint
+from hlserve.server.guided import named_constraint
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
@@ -550,16 +550,17 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
     """``params`` with the request's output constraint (response_format, structured_outputs,
     guided_*, or tool_choice required / named), compiled here so that a bad schema is a 400
     before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
-    spec = request_constraint(req)
+    named = named_constraint(req)
+    param, spec = named if named else (None, None)
     plan, functions = chat_tool_plan(st, req)
     if (tool_spec := plan.constraint(functions)) is not None:
         if spec is not None:
             raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
                            "output constraint", param="tool_choice", code="invalid_value")
-        spec = tool_spec
+        spec, param = tool_spec, "tools"
     if spec is None:
         return params
-    await asyncio.to_thread(compile_spec, st, spec, "tools" if tool_spec else None)
+    await asyncio.to_thread(compile_spec, st, spec, param)
     return [replace(p, structured_outputs=spec) for p in params]
 
 
