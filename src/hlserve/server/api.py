@@ -55,6 +55,7 @@ from hlserve.server.bridge import (
     Submission,
 )
 from hlserve.server.guided import named_constraint
+from hlserve.server.limits import check_logprob_volume
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
@@ -535,6 +536,7 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
         if n_prompt + requested > st.max_model_len:
             raise context_length_error(st.max_model_len, n_prompt, requested)
         max_tokens = requested
+    check_logprob_volume(req, max_tokens)
     return req.sampling_params(max_tokens)
 
 
