@@ -110,3 +110,19 @@ def test_min_priority_bounds_priority_without_api_keys(server, http) -> None:
     for priority in (MIN_PRIORITY, 0, 7):  # at the floor, the default, and behind it
         r = http.post("/v1/completions", json={**SHORT, "priority": priority})
         assert r.status_code == 200, r.text
+
+
+def test_a_logprob_volume_over_the_limit_is_refused_up_front(server, http) -> None:
+    """n=128 x max_tokens=1000 x top_logprobs 20 (a 200-byte body) would be a ~200 MB
+    response built in one piece: a 400 before any token is generated, naming the field."""
+    body = {"prompt": "hi", "n": 128, "max_tokens": 1000, "logprobs": 20, "temperature": 1}
+    started = time.monotonic()
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "logprobs" and "logprob entries" in err["message"]
+    assert time.monotonic() - started < 5
+    small = http.post("/v1/completions", json={**SHORT, "logprobs": 20})
+    assert small.status_code == 200, small.text[:300]
+    assert len(small.json()["choices"][0]["logprobs"]["top_logprobs"]) == 3
+    serves(http)

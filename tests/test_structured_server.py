@@ -306,3 +306,32 @@ def test_auto_needs_the_flags(tiny_model_dirs: dict[str, Path], tmp_path: Path) 
         r = chat(c, "x", tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0,
                  parallel_tool_calls=False)
         check_calls(r.choices[0].message.tool_calls, TOOL_SCHEMAS)
+
+
+# grammars that compile but cannot be matched (llguidance reports these only once matching
+# starts): each a 400 naming the field the client sent, found before the engine sees it
+SELF_REF = {"$ref": "#"}
+REF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+             "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": SELF_REF}}},
+     "response_format"),
+    ({"extra_body": {"guided_json": REF_CYCLE}}, "guided_json"),
+    ({"extra_body": {"guided_choice": [f"c{i}" for i in range(2001)]}}, "guided_choice"),
+    ({"extra_body": {"guided_regex": "[^\\x00-\\x{10FFFF}]"}}, "guided_regex"),
+    ({"extra_body": {"guided_grammar": "start: /a{1000000}/"}}, "guided_grammar"),
+    ({"extra_body": {"structured_outputs": {"grammar": 'root ::= root "a"'}}},
+     "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SELF_REF}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_unmatchable_grammars_are_400(client: openai.OpenAI, kw: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "x", max_tokens=4, **kw)
+    body = e.value.body or {}
+    assert body.get("param") == param, body
+    assert "structured output" in e.value.message and len(e.value.message) < 400
+    assert chat(client, "still serving", max_tokens=2).choices[0].finish_reason == "length"

@@ -29,7 +29,7 @@ from hlserve.request import (
     SamplingParams,
     TokenLogprobs,
 )
-from hlserve.structured.grammar import GrammarCompiler
+from hlserve.structured.grammar import GrammarCompiler, GrammarError
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
@@ -353,8 +353,9 @@ class Engine:
                 self._append(req, result.tokens[req.request_id], now,
                              result.logprobs.get(req.request_id))
             except Exception as exc:  # one request's output processing: it fails alone
+                # a grammar's lazy error is the request's spec, not a bug: no traceback
                 log.error("processing the token of %s failed: %s", req.request_id, exc,
-                          exc_info=True)
+                          exc_info=not isinstance(exc, GrammarError))
                 if not req.finished:
                     self._finish(req, FinishReason.ERROR, error=f"processing its output failed: {exc}")
             touched.append(req)

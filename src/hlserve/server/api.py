@@ -62,7 +62,8 @@ from hlserve.server.bridge import (
     Submission,
 )
 from hlserve.server.defaults import SamplingDefaults
-from hlserve.server.guided import request_constraint
+from hlserve.server.guided import named_constraint, request_constraint
+from hlserve.server.limits import check_logprob_volume
 from hlserve.server.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from hlserve.server.protocol import (
@@ -558,6 +559,7 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
         if n_prompt + requested > st.max_model_len:
             raise context_length_error(st.max_model_len, n_prompt, requested)
         max_tokens = requested
+    check_logprob_volume(req, max_tokens)
     return req.sampling_params(max_tokens)
 
 
@@ -581,7 +583,8 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
     """``params`` with the request's output constraint (response_format, structured_outputs,
     guided_*, or tool_choice required / named), compiled here so that a bad schema is a 400
     before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
-    spec = request_constraint(req)
+    named = named_constraint(req)
+    param, spec = named if named else (None, None)
     plan, functions = chat_tool_plan(st, req)
     if plan.mode is not None:  # a tokenizer may mark a tool-call tag as special (vLLM's rule)
         params = [replace(p, skip_special_tokens=False) for p in params]
@@ -591,10 +594,10 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
             raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
                            "output constraint", param="tool_choice", code="invalid_value")
         check_constrained(req, tool_spec, f"tool_choice {plan.mode}")
-        spec = tool_spec
+        spec, param = tool_spec, "tools"
     if spec is None:
         return params
-    await asyncio.to_thread(compile_spec, st, spec, "tools" if tool_spec else None)
+    await asyncio.to_thread(compile_spec, st, spec, param)
     return [replace(p, structured_outputs=spec) for p in params]
 
 

@@ -58,6 +58,13 @@ def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
 
 def request_constraint(req: Any) -> StructuredOutputsParams | None:
     """The one constraint a request asks for; 400 if it asks for several or a bad one."""
+    named = named_constraint(req)
+    return named[1] if named else None
+
+
+def named_constraint(req: Any) -> tuple[str, StructuredOutputsParams] | None:
+    """The one constraint a request asks for with the field it came in (what a compile
+    error names as its param); 400 if it asks for several or a bad one."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if (so := getattr(req, "structured_outputs", None)) is not None:
         found.append(("structured_outputs", _structured_outputs(so)))
@@ -70,4 +77,4 @@ def request_constraint(req: Any) -> StructuredOutputsParams | None:
         raise ApiError(400, f"only one output constraint may be given; got "
                        f"{', '.join(n for n, _ in found)}", param=found[1][0],
                        code="invalid_value")
-    return found[0][1] if found else None
+    return found[0] if found else None

@@ -16,7 +16,21 @@ from hlserve.errors import InvalidRequestError
 from hlserve.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 512  # compiled grammars kept (LRU), keyed by the spec's text
+PROBE_STEPS = 2  # matcher steps taken at compile time, where llguidance's lazy errors surface
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarError(RuntimeError):
+    """A grammar that compiled but failed while matching (a lazy llguidance error): the
+    request's fault, not the engine's, so it fails that request alone and quietly."""
+
+
+def short_error(text: str) -> str:
+    """llguidance's message without its grammar dump or stats: the first line, clipped."""
+    first = text.strip().splitlines()[0] if text and text.strip() else "unknown error"
+    if "NoExtensionBias" in first:  # llguidance's word for a language with no finite word
+        return "the grammar matches no output (it is empty, or every derivation is infinite)"
+    return first[:200]
 
 
 class GrammarState:
@@ -36,7 +50,8 @@ class GrammarState:
         self.matcher.consume_token(token)
         self.accepted += 1
         if self.matcher.is_error():
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar refused token {token}: "
+                               f"{short_error(self.matcher.get_error())}")
         return self.matcher.is_stopped()
 
     def sync(self, output_ids: Sequence[int]) -> None:
@@ -76,12 +91,36 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {key[0]} for structured output: {e}") from None
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {key[0]} for structured output: "
-                                      f"{matcher.get_error()}")
+                                      f"{short_error(matcher.get_error())}")
+        if (why := self._probe(matcher.deep_copy())) is not None:
+            raise InvalidRequestError(f"invalid {key[0]} for structured output: {why}")
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return matcher.deep_copy()
+
+    def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
+        """Why the grammar cannot be matched, or None: its first PROBE_STEPS steps (mask, then
+        one allowed token) taken here, in the handler's thread, because llguidance reports
+        empty languages, runaway lexers and oversized rows only once matching starts, which
+        would otherwise be on the engine thread."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.zeros(words, dtype=torch.int32)
+        for _ in range(PROBE_STEPS):
+            if matcher.is_stopped():
+                return None
+            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
+            if matcher.is_error():
+                return short_error(matcher.get_error())
+            allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).flatten()[:self.vocab_size]
+            ids = allowed.nonzero().flatten()
+            if ids.numel() == 0:
+                return "the grammar allows no output"
+            matcher.consume_token(int(ids[0]))
+            if matcher.is_error():
+                return short_error(matcher.get_error())
+        return None
 
     def state(self, spec: StructuredOutputsParams) -> GrammarState:
         return GrammarState(self.compile(spec))
