@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 LEVEL = 0.95
 
@@ -172,6 +173,18 @@ def fmt_ci(mean: float | None, ci: Sequence[float] | None, fmt: str = "{:.0f}") 
         return "—"
     hw = half_width(ci, mean)
     return fmt.format(mean) if hw is None else f"{fmt.format(mean)} ± {fmt.format(hw)}"
+
+
+def ci_table(configs: dict[str, dict[str, Any]], label: tuple[str, int],
+             columns: Sequence[tuple[str, str, str, int]]) -> list[str]:
+    """Rows of a fixed-width table of summaries with ``*_ci95`` intervals: ``label`` is the
+    first column's (header, width), each column ``(header, key, fmt, width)``."""
+    head, lw = label
+    rows = [f"{head:<{lw}}" + "".join(f"{h:>{w}}" for h, _, _, w in columns)]
+    for name, s in configs.items():
+        rows.append(f"{name:<{lw}}" + "".join(
+            f"{fmt_ci(s.get(k), s.get(f'{k}_ci95'), fmt):>{w}}" for _, k, fmt, w in columns))
+    return rows
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.repeats import RepeatPlan, Run, run_repeats
-from hlserve.stats import fmt_ci
+from hlserve.stats import ci_table
 
 CORPUS: dict[str, str] = {
     "paris.txt": "Paris is the capital of France. The Seine flows through the city, and the "
@@ -253,13 +253,10 @@ def _measure(spec: AgentSpec, servers: dict[str, Any], tools: Tools,
 
 
 def agent_table(res: dict[str, Any]) -> str:
-    rows = [f"{'mode':<12}{'sessions/min':>18}{'task completion':>20}{'session p50 s':>18}"]
-    for name, s in res["configs"].items():
-        def c(k: str, fmt: str, s: dict[str, Any] = s) -> str:
-            return fmt_ci(s.get(k), s.get(f"{k}_ci95"), fmt)
-
-        rows.append(f"{name:<12}{c('sessions_per_min', '{:.1f}'):>18}"
-                    f"{c('task_completion', '{:.2f}'):>20}{c('median_session_s', '{:.1f}'):>18}")
+    rows = ci_table(res["configs"], ("mode", 12), [
+        ("sessions/min", "sessions_per_min", "{:.1f}", 18),
+        ("task completion", "task_completion", "{:.2f}", 20),
+        ("session p50 s", "median_session_s", "{:.1f}", 18)])
     r = res["ratios"].get("throughput", {}).get("sessions_per_min")
     rows.append("(mean ± 95% interval half-width over the repeats)")
     if r is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlserve.driver.repeats import RepeatPlan, Run, run_repeats
-from hlserve.stats import fmt_ci, ratio_verdict
+from hlserve.stats import ci_table, ratio_verdict
 
 MODES = {"slo (vllm)": {"mode": "slo"}, "throughput": {"mode": "throughput"}}
 BASELINE = "slo (vllm)"
@@ -78,15 +78,11 @@ def run_local(spec: DemoSpec, common: dict[str, Any], log: Callable[[str], None]
 
 
 def local_table(res: dict[str, Any]) -> str:
-    rows = [f"{'mode':<12}{'tok/s':>18}{'session p50 s':>16}{'TTFT p99 ms':>16}"
-            f"{'TPOT p99 ms':>14}"]
-    for name, s in res["configs"].items():
-        def c(k: str, fmt: str, s: dict[str, Any] = s) -> str:
-            return fmt_ci(s.get(k), s.get(f"{k}_ci95"), fmt)
-
-        rows.append(f"{name:<12}{c(THROUGHPUT, '{:.0f}'):>18}"
-                    f"{c('median_session_time_s', '{:.2f}'):>16}{c('p99_ttft_ms', '{:.0f}'):>16}"
-                    f"{c('p99_tpot_ms', '{:.1f}'):>14}")
+    rows = ci_table(res["configs"], ("mode", 12), [
+        ("tok/s", THROUGHPUT, "{:.0f}", 18),
+        ("session p50 s", "median_session_time_s", "{:.2f}", 16),
+        ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}", 16),
+        ("TPOT p99 ms", "p99_tpot_ms", "{:.1f}", 14)])
     return "\n".join(rows)
 
 
@@ -159,13 +155,10 @@ def sim_tax(configs: dict[str, dict[str, Any]], slo: tuple[float, float],
 
 
 def sim_table(res: dict[str, Any]) -> str:
-    rows = [f"{'throughput mode':<16}{'tok/s (window)':>20}{'TTFT p99 ms':>16}{'TPOT p99 ms':>16}"]
-    for name, s in res["configs"].items():
-        def c(k: str, fmt: str, s: dict[str, Any] = s) -> str:
-            return fmt_ci(s.get(k), s.get(f"{k}_ci95"), fmt)
-
-        rows.append(f"{name:<16}{c('window_token_throughput', '{:.0f}'):>20}"
-                    f"{c('p99_ttft_ms', '{:.0f}'):>16}{c('p99_tpot_ms', '{:.0f}'):>16}")
+    rows = ci_table(res["configs"], ("throughput mode", 16), [
+        ("tok/s (window)", "window_token_throughput", "{:.0f}", 20),
+        ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}", 16),
+        ("TPOT p99 ms", "p99_tpot_ms", "{:.0f}", 16)])
     return "\n".join(rows)
 
 
