@@ -110,6 +110,7 @@ def test_script_runs_whole(tmp_path: Path) -> None:
     assert got["before"]["groups"]["single-request"]["rows"] == 4
 
 
+@pytest.mark.skipif(fitting.find_data_dir() is None, reason="Vidur profiles not found")
 def test_model_error_perturbations_come_from_the_suite_residuals() -> None:
     """benchmarks/sim_model_error.py draws its perturbations from the held-out residuals: each
     term moves by one of them, in the direction the residual's sign says."""
