@@ -206,22 +206,21 @@ class TorchRunner(Runner):
             want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
             # structured outputs first: logprobs are of what the grammar allows (vLLM masks
             # before its sampler), so no alternative shown is one the grammar forbids
-            constrained = any(r.grammar is not None for r in reqs)
-            if constrained:
+            # (the one check is all an unconstrained batch pays)
+            if any(r.grammar is not None for r in reqs):
                 apply_grammar_masks(logits, reqs)
             # the model's raw distribution, before min_tokens masking and temperature
             raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None
-            sampled = self.sample(logits, reqs, masked=constrained).tolist()
+            sampled = self.sample(logits, reqs).tolist()
             tokens = {r.request_id: t for r, t in zip(reqs, sampled, strict=True)}
             if raw is not None:
                 logprobs = _token_logprobs(raw, [reqs[i] for i in want], [sampled[i] for i in want])
         return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0, logprobs=logprobs)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request], masked: bool = False
-               ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Greedy at temperature 0, else temperature / min-p / top-k / top-p sampling (vLLM's
         order); EOS and stop ids are masked until ``min_tokens`` is reached (as vLLM and
-        transformers do). ``masked``: the grammar masks are already applied."""
+        transformers do). Grammar masks are the caller's (``execute`` applies them first)."""
         for i, r in enumerate(reqs):
             p = r.params
             if len(r.output_token_ids) < p.min_tokens:
@@ -230,10 +229,6 @@ class TorchRunner(Runner):
                     logits[i, [b for b in banned if b < logits.shape[1]]] = -float("inf")
         # logit_bias and penalties, greedy rows included (as vLLM); no work when none asks
         self.adjuster.apply(logits, reqs)
-        # structured outputs: tokens the grammar forbids are masked; the one check is all an
-        # unconstrained batch pays
-        if not masked and any(r.grammar is not None for r in reqs):
-            apply_grammar_masks(logits, reqs)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not random_rows:
