@@ -83,3 +83,17 @@ def test_sweep_engine_args_unlimited_over_a_preset(tiny_llama: Path, tmp_path: P
     assert res["engine_options"]["chunk_size"] is None  # recorded as null, not a Python object
     llm = LLM(str(tiny_llama), **{k: v for k, v in cfg.items() if k != "model"})
     assert first_step_prefills_whole_prompt(llm)
+
+
+@pytest.mark.parametrize("raw,want", [(None, None), ("none", None), ("Unlimited", None),
+                                      (" inf ", None), ("off", None), ("512", 512), (64, 64)])
+def test_parse_cap_reads_every_spelling_of_no_cap(raw, want):
+    from hlserve.config import parse_cap
+    assert parse_cap(raw) == want
+
+
+@pytest.mark.parametrize("raw", ["0", 0, -3, "abc", "", True, "1.5"])
+def test_parse_cap_refuses_what_is_not_a_size(raw):
+    from hlserve.config import parse_cap
+    with pytest.raises(ValueError, match="positive integer"):
+        parse_cap(raw)

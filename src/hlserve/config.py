@@ -40,6 +40,34 @@ class _Unlimited:
 UNLIMITED: Final = _Unlimited()
 
 
+# the words a size option takes for "no cap", on every command line and in the plugin's options
+NO_CAP_WORDS = ("none", "unlimited", "inf", "off")
+
+
+def parse_cap(value: str | int | None) -> int | None:
+    """A size knob's value from outside (a flag, an environment variable, a JSON option): a
+    positive int, or None for "no cap", spelled None or one of :data:`NO_CAP_WORDS`."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
+                         f"got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif str(value).strip().lower() in NO_CAP_WORDS:
+        return None
+    else:
+        try:
+            n = int(str(value).strip())
+        except ValueError:
+            raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
+                             f"got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
+                         f"got {value!r}")
+    return n
+
+
 def plain(options: dict[str, Any]) -> dict[str, Any]:
     """Options with UNLIMITED written as None (for JSON and logs)."""
     return {k: None if v is UNLIMITED else v for k, v in options.items()}
