@@ -61,15 +61,18 @@ def test_server_sweep_starts_and_stops_a_server_per_point(tiny_llama: Path,
                 "--uvicorn-log-level warning {args}")
     sw = SweepSpec(model=str(tiny_llama), points=make_points([32, None]),
                    bench=BenchSpec(base_url="", **WORKLOAD), out_dir=tmp_path,
-                   server_cmd=template, unlimited_value=100000, health_timeout=120,
+                   server_cmd=template, health_timeout=120,
                    command="test")
     run_sweep(sw, log=lambda *a: None)
     summary = check_outputs(tmp_path, ["C=32", "C=none"])
     for p in summary["points"]:
         cmd = p["result"]["server_command"]
-        assert "--chunk-size 32" in cmd if p["label"] == "C=32" else "--chunk-size 100000" in cmd
+        # no cap reaches the server as the word none, which hlserve serve reads as None
+        assert "--chunk-size 32" in cmd if p["label"] == "C=32" else "--chunk-size none" in cmd
         log = Path(p["result"]["server_log"]).read_text()
         assert "hlserve engine caps" in log and "Traceback" not in log
+        if p["label"] == "C=none":
+            assert "chunk_size                 off" in log  # the engine got None
         port = int(cmd.split("--port ")[1].split()[0])
         assert port_free("127.0.0.1", port)  # torn down before the next point
 

@@ -1,6 +1,8 @@
-"""An explicit "unlimited" C and B on top of a preset, the same on the command line
-(``hlserve serve``, ``hlserve sweep --engine-args``) and in Python (``LLM(...)``): the config
-says no cap, and a real engine prefills a prompt longer than the preset's budget in one step."""
+"""No cap is None inside and one parser outside (``config.parse_cap``): an explicit "no cap"
+C and B on top of a preset, the same on the command line (``hlserve serve``, ``hlserve sweep
+--engine-args``, ``--chunk-sizes``) and in Python (``LLM(..., chunk_size=None)``): the config
+says no cap, and a real engine prefills a prompt longer than the preset's budget in one step;
+and the one config the command line builds is the one the engine runs on."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from hlserve.bench.sweep import parse_sizes
 from hlserve.cli import build_parser
 from hlserve.cli import main as cli_main
-from hlserve.config import UNLIMITED, EngineConfig
+from hlserve.config import EngineConfig, parse_cap
+from hlserve.engine import factory
 from hlserve.engine.args import engine_options, make_config
 from hlserve.engine.presets import DeviceInfo
 from hlserve.llm import LLM
@@ -23,10 +27,14 @@ UNCAPPED = "--preset vllm --chunk-size none --token-budget none"
 LONG = 2500  # prompt tokens: more than the preset's budget, so it would be chunked
 
 
+def serve_options(model: str, flags: str) -> dict:
+    """The engine options ``hlserve serve MODEL FLAGS`` takes from its flags."""
+    return engine_options(build_parser().parse_args(["serve", model, *shlex.split(flags)]))
+
+
 def serve_config(model: str, flags: str) -> EngineConfig:
     """What ``hlserve serve MODEL FLAGS`` would build its engine from."""
-    args = build_parser().parse_args(["serve", model, *shlex.split(flags)])
-    return make_config(model, device_info=CPU, **engine_options(args))
+    return make_config(model, device_info=CPU, **serve_options(model, flags))
 
 
 def first_step_prefills_whole_prompt(llm: LLM) -> bool:
@@ -55,13 +63,24 @@ def test_serve_flags_unlimited_over_a_preset() -> None:
         serve_config("m", "--chunk-size lots")
 
 
-@pytest.mark.parametrize("unlimited", [UNLIMITED, None])
-def test_llm_unlimited_over_a_preset_prefills_in_one_step(tiny_llama: Path, unlimited) -> None:
+def test_only_the_flags_given_are_options_and_none_is_none() -> None:
+    assert serve_options("m", "") == {}  # a flag not given is absent, not None
+    assert serve_options("m", "--chunk-size none --seed 3") == {"chunk_size": None, "seed": 3}
+    # every cap reads "none", not only C and B
+    opts = serve_options("m", "--interactive-chunk-size off --max-prefill-tokens inf "
+                              "--prefill-delay none --lpm-fcfs-fallback unlimited")
+    assert opts == dict.fromkeys(["interactive_chunk_size", "max_prefill_tokens",
+                                  "prefill_delay", "lpm_fcfs_fallback"])
+    assert serve_config("m", "--interactive-chunk-size none").interactive_chunk_size is None
+    assert serve_config("m", "").interactive_chunk_size == 512  # the default stays
+
+
+def test_llm_unlimited_over_a_preset_prefills_in_one_step(tiny_llama: Path) -> None:
     capped = LLM(str(tiny_llama), preset="vllm", device="cpu", num_pages=256)
     assert capped.engine.config.token_budget == 2048
     assert not first_step_prefills_whole_prompt(capped)  # chunked by the preset's budget
     llm = LLM(str(tiny_llama), preset="vllm", device="cpu", num_pages=256,
-              chunk_size=unlimited, token_budget=unlimited)
+              chunk_size=None, token_budget=None)
     assert llm.engine.config.chunk_size is None and llm.engine.config.token_budget is None
     assert llm.engine.config.mixing == "always"
     assert first_step_prefills_whole_prompt(llm)
@@ -88,12 +107,55 @@ def test_sweep_engine_args_unlimited_over_a_preset(tiny_llama: Path, tmp_path: P
 @pytest.mark.parametrize("raw,want", [(None, None), ("none", None), ("Unlimited", None),
                                       (" inf ", None), ("off", None), ("512", 512), (64, 64)])
 def test_parse_cap_reads_every_spelling_of_no_cap(raw, want):
-    from hlserve.config import parse_cap
     assert parse_cap(raw) == want
 
 
 @pytest.mark.parametrize("raw", ["0", 0, -3, "abc", "", True, "1.5"])
 def test_parse_cap_refuses_what_is_not_a_size(raw):
-    from hlserve.config import parse_cap
     with pytest.raises(ValueError, match="positive integer"):
         parse_cap(raw)
+
+
+def test_chunk_sizes_are_read_by_parse_cap() -> None:
+    assert parse_sizes("64, none,INF,,off,2048") == [64, None, None, None, 2048]
+    with pytest.raises(ValueError, match="positive integer"):
+        parse_sizes("64,0")  # the old parser took 0 for a chunk size
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "m", "--chunk-size", "0"],
+    ["generate", "m", "--prompt", "x", "--token-budget", "-1"],
+    ["sweep", "--model", "m", "--chunk-sizes", "64,zero"],
+    ["cost", "--model", "Qwen2.5-32B", "--prefill", "10", "--chunk-size", "0"],
+])
+def test_every_command_line_refuses_a_bad_cap_with_one_message(argv, capsys) -> None:
+    try:
+        rc = cli_main(argv)
+    except SystemExit as e:  # argparse's refusal
+        rc = e.code
+    assert rc == 2
+    assert "expected a positive integer or one of none, unlimited, inf, off" in \
+        capsys.readouterr().err
+
+
+def test_factory_runs_the_config_it_is_given() -> None:
+    from hlserve.sim.build import device_info
+    from hlserve.sim.hardware import get_hardware
+    from hlserve.sim.runner import SimRunner
+
+    hw = get_hardware("H100")
+    config = make_config("Qwen2.5-7B", device_info=device_info(hw), preset="sarathi",
+                         chunk_size=None, num_pages=2000)
+    engine = factory.build_engine(config, lambda c: SimRunner(c, hw, 1))
+    assert engine.config is config  # built once, by make_config, and not rebuilt below
+    assert engine.config.chunk_size is None and engine.config.token_budget == 512
+
+
+def test_llm_from_config_runs_that_config(tiny_llama: Path) -> None:
+    config = make_config(str(tiny_llama), device="cpu", num_pages=64, preset="vllm",
+                         token_budget=None)
+    llm = LLM.from_config(config)
+    assert llm.engine.config is config and not llm.instruct
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3

@@ -29,10 +29,12 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from hlserve.llm import LLM
+    from hlserve.llm import LLM, engine_config
+    from hlserve.models.resolve import is_instruct
     from hlserve.request import SamplingParams
 
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM.from_config(engine_config(args.model, **engine_options(args)),
+                          instruct=is_instruct(args.model))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     for prompt in args.prompt:
@@ -78,11 +80,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """The OpenAI-compatible HTTP server (docs/server.md)."""
     from hlserve.cpu_runtime import arrange
 
-    arrange(getattr(args, "device", None) or "auto")  # may re-execute this command once, first
+    arrange(getattr(args, "device", "auto"))  # may re-execute this command once, first
+    from hlserve.llm import engine_config
     from hlserve.server.api import serve
     from hlserve.server.args import server_settings
 
-    serve(args.model, engine_options(args), server_settings(args, args.model))
+    # the one EngineConfig: the flags given over the preset's knobs, for this machine
+    serve(engine_config(args.model, **engine_options(args)), server_settings(args, args.model))
 
 
 def build_parser() -> argparse.ArgumentParser:

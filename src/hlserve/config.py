@@ -1,10 +1,11 @@
-"""Engine configuration: one frozen dataclass, the knobs named as in DESIGN.md and vLLM."""
+"""Engine configuration: one frozen dataclass (the knobs named as vLLM and SGLang name them,
+where they have them), and :func:`parse_cap`, the one reader of a cap's value from outside."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from hlserve.request import REQUEST_CLASSES
 
@@ -13,64 +14,31 @@ ORDERS = ("fcfs", "lpm", "priority")
 RETRACTIONS = ("fewest_generated", "lifo", "priority")
 ADMISSIONS = ("chunk", "reserve", "abort_guard", "backpressure")
 BUDGET_CONTROLLERS = ("fixed", "ratchet", "ema")
-# the knobs that take UNLIMITED (or None, the same thing) for "no cap"
-SIZE_KNOBS = ("chunk_size", "token_budget")
-
-
-class _Unlimited:
-    """The type of :data:`UNLIMITED`: one instance, so ``x is UNLIMITED`` is the test."""
-
-    _instance: _Unlimited | None = None
-
-    def __new__(cls) -> _Unlimited:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNLIMITED"
-
-    def __reduce__(self) -> str:
-        return "UNLIMITED"  # pickles as the module-level singleton
-
-
-# An explicit "no cap" for C and B that wins over a preset. ``None`` means the same in the
-# config, but an option dict cannot tell "unset" from "set to None" once a flag parser has
-# dropped unset flags; UNLIMITED survives that, and EngineConfig turns it into None.
-UNLIMITED: Final = _Unlimited()
-
-
-# the words a size option takes for "no cap", on every command line and in the plugin's options
+# the size knobs whose None means "no cap" (the other optional ints mean "derive it": num_pages
+# from kv_cache_gb, max_model_len from the model, budget_max from the KV pool)
+CAP_KNOBS = ("chunk_size", "token_budget", "prefill_delay", "max_prefill_tokens",
+             "max_chunked_prefills", "lpm_fcfs_fallback", "interactive_chunk_size",
+             "interactive_token_budget")
+# the words a cap takes for "no cap" outside Python: on every command line, in the plugin's
+# options and in a sweep's --chunk-sizes
 NO_CAP_WORDS = ("none", "unlimited", "inf", "off")
 
 
 def parse_cap(value: str | int | None) -> int | None:
-    """A size knob's value from outside (a flag, an environment variable, a JSON option): a
-    positive int, or None for "no cap", spelled None or one of :data:`NO_CAP_WORDS`."""
-    if value is None:
+    """A cap's value from outside (a flag, an environment variable, a JSON option): a positive
+    int, or None for "no cap", spelled None or one of :data:`NO_CAP_WORDS`. Inside, "no cap"
+    is None and nothing else."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in NO_CAP_WORDS):
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
-                         f"got {value!r}")
-    if isinstance(value, int):
+    n: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
         n = value
-    elif str(value).strip().lower() in NO_CAP_WORDS:
-        return None
-    else:
-        try:
-            n = int(str(value).strip())
-        except ValueError:
-            raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
-                             f"got {value!r}") from None
-    if n < 1:
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        n = int(value)
+    if n is None or n < 1:
         raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
                          f"got {value!r}")
     return n
-
-
-def plain(options: dict[str, Any]) -> dict[str, Any]:
-    """Options with UNLIMITED written as None (for JSON and logs)."""
-    return {k: None if v is UNLIMITED else v for k, v in options.items()}
 
 
 @dataclass(frozen=True)
@@ -91,7 +59,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_prefill_tokens: int | None = None  # prefill tokens per iteration (SGLang's cap)
     # latency caps
-    chunk_size: int | None = None  # None (or UNLIMITED): a prompt is prefilled in one pass
+    chunk_size: int | None = None  # None: a prompt is prefilled in one pass
     token_budget: int | None = None  # tokens per iteration (vLLM's max_num_batched_tokens); None: no cap
     prefill_delay: int | None = None  # admit new prefill at most every N iterations while decoding
     max_chunked_prefills: int | None = None  # requests mid-chunk at once (SGLang: 1)
@@ -121,9 +89,6 @@ class EngineConfig:
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
-        for name in SIZE_KNOBS:
-            if getattr(self, name) is UNLIMITED:
-                object.__setattr__(self, name, None)
         for name in ("page_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

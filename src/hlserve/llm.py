@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, sampling_params)``."""
+"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, sampling_params)``,
+and the real runner's engine config and engine for the command lines."""
 
 from __future__ import annotations
 
@@ -17,28 +18,49 @@ from hlserve.request import Request, RequestOutput, SamplingParams, merge_choice
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
-__all__ = ["LLM", "build_engine", "make_config"]
+__all__ = ["LLM", "build_engine", "engine_config", "make_config"]
 
 Prompt = str | Sequence[int]
 MAX_IDLE_PASSES = 1000
 
 
+def engine_config(model: str, **engine_options: Any) -> EngineConfig:
+    """The config of an engine on the real runner: ``model`` (a directory, a .gguf file or a
+    named real model, models/resolve.py) resolved to a directory, the options as
+    :func:`make_config` takes them: a keyword passed is explicit, None included, so
+    ``preset="vllm", chunk_size=None`` is vLLM's knobs without chunking."""
+    return make_config(resolve_model(model), **engine_options)
+
+
 def build_engine(model: str, *, runner: Callable[[EngineConfig], Any] = TorchRunner,
                  clock: Callable[[], float] | None = None, **engine_options: Any) -> Engine:
     """An Engine on the real runner (``runner`` wraps it for a caller that records steps) with
-    the model's tokenizer, when it has one. ``model``: a directory, a .gguf file or a named
-    real model (models/resolve.py)."""
-    model = resolve_model(model)
-    return factory.build_engine(model, engine_options, runner,
-                                tokenizer=lambda: Tokenizer.from_dir(model), clock=clock)
+    the model's tokenizer, when it has one, configured by :func:`engine_config`."""
+    return factory.build_engine(engine_config(model, **engine_options), runner,
+                                tokenizer=Tokenizer.from_dir, clock=clock)
 
 
 class LLM:
+    """``LLM(model, **engine_options)``: engine options as :func:`engine_config` takes them
+    (``LLM(model, preset="vllm", chunk_size=None)``: the preset without chunking); or
+    :meth:`from_config` on a config already built."""
+
     def __init__(self, model: str, **engine_options: Any) -> None:
-        self.engine = build_engine(model, **engine_options)
+        self._start(engine_config(model, **engine_options), is_instruct(model))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, instruct: bool = False) -> LLM:
+        """An LLM on ``config`` as built (``hlserve generate`` builds it from its flags);
+        ``instruct``: the model given was an instruct checkpoint (``models.resolve``)."""
+        llm = cls.__new__(cls)
+        llm._start(config, instruct)
+        return llm
+
+    def _start(self, config: EngineConfig, instruct: bool) -> None:
+        self.engine = factory.build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
         self.tokenizer = self.engine.tokenizer
         # an instruct checkpoint (GGUF or a named model): ``hlserve generate`` chats with it
-        self.instruct = is_instruct(model)
+        self.instruct = instruct
 
     def generate(
         self,

@@ -186,7 +186,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="model directory (in-process, {model} of --server-cmd), or a model "
                         "name of the simulator (--sim)")
     g.add_argument("--chunk-sizes", default="64,256,1024,none",
-                   help="C values, 'none' = unlimited (default: 64,256,1024,none)")
+                   help="C values, 'none' = no cap (default: 64,256,1024,none)")
     g.add_argument("--token-budgets", default="same",
                    help="B values: 'same' (B = C, vLLM's one knob), 'none', or a list "
                         "(a grid C x B) (default: same)")
@@ -201,9 +201,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="--sim: tensor-parallel degree")
     g.add_argument("--server-cmd", default=None,
                    help="start this server per point instead (a template: {model} {host} "
-                        "{port} {chunk_size} {token_budget} {label} {args})")
-    g.add_argument("--unlimited-value", type=int, default=None,
-                   help="--server-cmd: the number put for an unlimited C or B")
+                        "{port} {chunk_size} {token_budget} {label} {args}; no cap is put "
+                        "as none: for a server without that word, e.g. vLLM, list its number, "
+                        "such as the model length)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the engine: torch.set_num_threads in-process, "
                         "OMP_NUM_THREADS for --server-cmd (default: torch's). On a machine "
@@ -249,7 +249,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     sw = SweepSpec(
         model=args.model, points=points, bench=spec, out_dir=args.out,
         engine_args=shlex.split(args.engine_args), server_cmd=args.server_cmd,
-        unlimited_value=args.unlimited_value, health_timeout=args.health_timeout,
+        health_timeout=args.health_timeout,
         sim=args.sim, tp=args.tp, targets=_targets(args.targets), threads=args.threads,
         command="hlserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"]
         else "hlserve sweep ...", title=args.title, repeats=args.repeats, ray=args.ray,

@@ -42,7 +42,7 @@ def _sweep_run(sw: Any, base: dict[str, Any], env: dict[str, str] | None, point:
     t = time.perf_counter()
     if sw.server_cmd is not None:
         res = run_server_point(sw.server_cmd, sw.model, point, spec, sw.out_dir,
-                               sw.unlimited_value, sw.health_timeout, env)
+                               sw.health_timeout, env)
     else:
         res = run_inprocess_point(sw.model, base, point, spec, sw.sim, sw.tp)
     res["wall_s"] = time.perf_counter() - t

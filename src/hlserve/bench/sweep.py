@@ -35,10 +35,10 @@ from typing import Any
 from hlserve.bench import report
 from hlserve.bench.client import ServerInfo
 from hlserve.bench.serve_bench import BenchSpec, Recorder, agent_sessions, run_bench
-from hlserve.config import UNLIMITED, plain
+from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.records import summarize
-from hlserve.engine.args import UNLIMITED_WORDS, parse_engine_args
+from hlserve.engine.args import parse_engine_args
 from hlserve.server.launch import ExternalServer, free_port
 
 # ---- points -------------------------------------------------------------------------------
@@ -57,13 +57,9 @@ class Point:
 
 
 def parse_sizes(text: str) -> list[int | None]:
-    out: list[int | None] = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        out.append(None if part in UNLIMITED_WORDS else int(part))
-    return out
+    """``--chunk-sizes 64,1024,none``: each item read by :func:`hlserve.config.parse_cap`
+    (None: no cap), empty items skipped."""
+    return [parse_cap(part) for part in text.split(",") if part.strip()]
 
 
 def make_points(chunk_sizes: list[int | None], token_budgets: str = "same",
@@ -92,7 +88,7 @@ def make_points(chunk_sizes: list[int | None], token_budgets: str = "same",
 def point_options(base: dict[str, Any], point: Point) -> dict[str, Any]:
     """A point's engine options: the sweep's (``--engine-args``, parsed once), then the
     point's own flags (a point with its own preset replaces the base's), then a grid point's
-    C and B (unlimited as UNLIMITED, which wins over any preset)."""
+    C and B (None, no cap, winning over any preset's like any option given)."""
     opts = dict(base)
     own = parse_engine_args(point.args)
     if {"mode", "preset"} & own.keys():
@@ -100,8 +96,8 @@ def point_options(base: dict[str, Any], point: Point) -> dict[str, Any]:
         opts.pop("preset", None)
     opts.update(own)
     if not point.args:  # a grid point: its knobs win
-        opts["chunk_size"] = UNLIMITED if point.chunk_size is None else point.chunk_size
-        opts["token_budget"] = UNLIMITED if point.token_budget is None else point.token_budget
+        opts["chunk_size"] = point.chunk_size
+        opts["token_budget"] = point.token_budget
     return opts
 
 
@@ -152,7 +148,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
         sessions, extra = agent_sessions(spec, info)
         res = run_engine_agent(engine, sessions, spec)
         res.update(extra)
-        res["engine_options"] = plain(opts)  # as asked (unlimited as null)
+        res["engine_options"] = opts  # as asked (no cap as null)
         res["engine_config"] = dataclasses.asdict(engine.config)  # as resolved (presets)
         res["engine_caps"] = getattr(engine, "caps_report", None)
         res["retractions"] = engine.num_retractions
@@ -165,29 +161,26 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
 # ---- servers on their own ports: hlserve.server.launch ------------------------------------
 
 
-def server_command(template: str, point: Point, model: str, host: str, port: int,
-                   unlimited_value: int | None) -> list[str]:
-    def knob(v: int | None, name: str) -> str:
-        if v is not None:
-            return str(v)
-        if unlimited_value is None and "{" + name + "}" in template:
-            raise ValueError(f"point {point.label} has no {name} (unlimited) and the server "
-                             f"command uses {{{name}}}: give --unlimited-value N")
-        return str(unlimited_value)
+def server_command(template: str, point: Point, model: str, host: str,
+                   port: int) -> list[str]:
+    """The template formatted for ``point``; no cap is the word ``none``, as ``hlserve serve``
+    reads it (a server without a word for it, e.g. vLLM, is given its number in the list)."""
+    def knob(v: int | None) -> str:
+        return "none" if v is None else str(v)
 
     text = template.format(model=model, host=host, port=port, label=point.label,
-                           chunk_size=knob(point.chunk_size, "chunk_size"),
-                           token_budget=knob(point.token_budget, "token_budget"),
+                           chunk_size=knob(point.chunk_size),
+                           token_budget=knob(point.token_budget),
                            args=shlex.join(point.args))
     return shlex.split(text)
 
 
 def run_server_point(template: str, model: str, point: Point, spec: BenchSpec, out_dir: Path,
-                     unlimited_value: int | None, health_timeout: float,
+                     health_timeout: float,
                      env: dict[str, str] | None = None) -> dict[str, Any]:
     host = "127.0.0.1"
     port = free_port(host)
-    cmd = server_command(template, point, model, host, port, unlimited_value)
+    cmd = server_command(template, point, model, host, port)
     log = out_dir / "points" / f"{slug(point.label)}.server.log"
     with ExternalServer(cmd, host, port, log, env, health_timeout) as srv:
         res = run_bench(replace(spec, base_url=srv.url))
@@ -207,7 +200,6 @@ class SweepSpec:
     out_dir: Path
     engine_args: list[str] = field(default_factory=list)
     server_cmd: str | None = None
-    unlimited_value: int | None = None
     health_timeout: float = 600.0
     sim: str | None = None
     tp: int = 1
@@ -275,7 +267,7 @@ def _run_points(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None,
         try:
             if sw.server_cmd is not None:
                 res = run_server_point(sw.server_cmd, sw.model, point, spec, out,
-                                       sw.unlimited_value, sw.health_timeout, env)
+                                       sw.health_timeout, env)
             else:
                 res = run_inprocess_point(sw.model, base, point, spec, sw.sim, sw.tp)
                 path.write_text(json.dumps(res, indent=2) + "\n")

@@ -1,6 +1,10 @@
 """Engine flags, their defaults and their parsing, below every command line: the one place
 that turns ``--preset vllm --chunk-size none ...`` or ``LLM(..., preset="vllm")`` options into
-an :class:`EngineConfig` (presets expanded for a device, explicit knobs winning)."""
+an :class:`EngineConfig` (presets expanded for a device, explicit knobs winning).
+
+An option is explicit when its key is present, whatever its value: a flag not given is absent
+from the namespace (``argparse.SUPPRESS``), a flag given ``none`` is None, and None laid over
+a preset's cap removes it. In Python the same holds for a keyword passed, None included."""
 
 from __future__ import annotations
 
@@ -13,18 +17,15 @@ from typing import Any
 from hlserve.config import (
     ADMISSIONS,
     BUDGET_CONTROLLERS,
+    CAP_KNOBS,
     MIXING,
     ORDERS,
     REQUEST_CLASSES,
     RETRACTIONS,
-    SIZE_KNOBS,
-    UNLIMITED,
     EngineConfig,
+    parse_cap,
 )
 from hlserve.engine.presets import MODES, PRESETS, DeviceInfo, resolve_options
-
-# words a size flag takes for "no cap" (``--chunk-size none``)
-UNLIMITED_WORDS = ("none", "unlimited", "inf", "off")
 
 # engine option -> (flag, help); vLLM's flag names where vLLM has the same knob
 ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
@@ -61,53 +62,52 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
 }
 STR_KNOBS = {"dtype", "device", "mixing", "order", "retraction", "admission",
              "budget_controller", "default_request_class"}
+# where add_engine_args puts each flag in the namespace
+FLAG_DESTS = (*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset")
 # every option name an engine takes: the config's fields, and the two that expand into them
 OPTION_NAMES = frozenset(EngineConfig.field_names() - {"model"}) | {"mode", "preset"}
 
 
-def size_or_unlimited(text: str) -> Any:
-    """A C or B flag's value: a positive int, or one of UNLIMITED_WORDS for UNLIMITED."""
-    if text.strip().lower() in UNLIMITED_WORDS:
-        return UNLIMITED
+def cap(text: str) -> int | None:
+    """A cap flag's value (:func:`hlserve.config.parse_cap`), refused as argparse refuses."""
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer or one of {', '.join(UNLIMITED_WORDS)}, got {text!r}") from None
-
-
-size_or_unlimited.__name__ = "size"  # argparse names the type in its error message
+        return parse_cap(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _flag_type(name: str, default: Any) -> Any:
-    if name in SIZE_KNOBS:
-        return size_or_unlimited
+    if name in CAP_KNOBS:
+        return cap
     if name in STR_KNOBS:
         return str
     return {"int": int, "float": float, "str": str}.get(type(default).__name__, int)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags on ``parser``; every one defaults to unset (None), so that only the
-    flags given reach :func:`engine_options` and a preset fills in the rest."""
+    """The engine's flags on ``parser``; a flag not given is absent from the namespace, so that
+    only the flags given reach :func:`engine_options` and a preset fills in the rest."""
     group = parser.add_argument_group("engine")
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for name, (flags, help_text) in ENGINE_FLAGS.items():
         default = fields[name].default
-        group.add_argument(*flags, dest=name, type=_flag_type(name, default), default=None,
-                           help=f"{help_text} (default: {default})")
-    group.add_argument("--mode", choices=list(MODES), default=None,
+        shown = "none" if default is None and name in CAP_KNOBS else default
+        if name in CAP_KNOBS and "'none'" not in help_text:
+            help_text += "; 'none': no cap"
+        group.add_argument(*flags, dest=name, type=_flag_type(name, default),
+                           default=argparse.SUPPRESS, help=f"{help_text} (default: {shown})")
+    group.add_argument("--mode", choices=list(MODES), default=argparse.SUPPRESS,
                        help="throughput: hlserve's throughput mode; slo: a production default (vllm)")
-    group.add_argument("--preset", choices=list(PRESETS), default=None,
+    group.add_argument("--preset", choices=list(PRESETS), default=argparse.SUPPRESS,
                        help="the knob settings of a system we compare against")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", default=None, help="turn the radix prefix cache off")
+                       action="store_false", default=argparse.SUPPRESS,
+                       help="turn the radix prefix cache off")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags that were given (UNLIMITED kept: it is a value, not an absence)."""
-    names = [*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset"]
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    """The engine flags that were given, a cap given ``none`` as None."""
+    return {n: getattr(args, n) for n in FLAG_DESTS if hasattr(args, n)}
 
 
 @functools.cache
@@ -131,7 +131,7 @@ def check_options(options: dict[str, Any]) -> None:
 def make_config(model: str, *, device_info: DeviceInfo | None = None,
                 **options: Any) -> EngineConfig:
     """Engine options (``mode`` / ``preset`` expanded for ``device_info``, detected from the
-    ``device`` option when None; explicit knobs winning, UNLIMITED and None included) as a
-    config."""
+    ``device`` option when None; every option given winning over the preset, None included)
+    as a config."""
     check_options(options)
     return EngineConfig(model=str(model), **resolve_options(options, device_info))

@@ -1,5 +1,6 @@
-"""The one engine factory: options → config (engine/args.py) → runner → Engine, for the real
-runner (``hlserve.llm.build_engine``) and the simulated one (``hlserve.sim.build``) alike.
+"""The one engine factory: a config (built once, by engine/args.py's ``make_config``) → runner
+→ Engine, for the real runner (``hlserve.llm``, ``hlserve serve``) and the simulated one
+(``hlserve.sim.build``) alike.
 
 The runner is passed in as a constructor, so this module (and ``engine/``) imports no runner.
 """
@@ -10,20 +11,16 @@ from collections.abc import Callable
 from typing import Any
 
 from hlserve.config import EngineConfig
-from hlserve.engine.args import make_config
 from hlserve.engine.batch import Runner
 from hlserve.engine.engine import Engine
-from hlserve.engine.presets import DeviceInfo
 
 
-def build_engine(model: str, options: dict[str, Any], runner: Callable[[EngineConfig], Runner],
-                 *, device_info: DeviceInfo | None = None,
-                 tokenizer: Callable[[], Any] | None = None,
+def build_engine(config: EngineConfig, runner: Callable[[EngineConfig], Runner], *,
+                 tokenizer: Callable[[str], Any] | None = None,
                  clock: Callable[[], float] | None = None) -> Engine:
-    """An Engine on ``runner(config)``; ``device_info`` is what presets key their defaults on
-    (detected when None: a simulated machine passes its own); ``tokenizer`` is loaded after
-    the runner (a bad model directory fails on its weights first); ``clock`` None: the wall."""
-    config = make_config(model, device_info=device_info, **options)
+    """An Engine on ``runner(config)``; ``tokenizer(config.model)`` is loaded after the runner
+    (a bad model directory fails on its weights first); ``clock`` None: the wall."""
     built = runner(config)
     kwargs: dict[str, Any] = {} if clock is None else {"clock": clock}
-    return Engine(config, built, tokenizer() if tokenizer is not None else None, **kwargs)
+    tok = tokenizer(config.model) if tokenizer is not None else None
+    return Engine(config, built, tok, **kwargs)

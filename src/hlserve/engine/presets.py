@@ -90,7 +90,9 @@ MODES = {"throughput": "hlserve", "slo": "vllm"}
 
 
 def resolve_options(options: dict[str, Any], dev: DeviceInfo | None = None) -> dict[str, Any]:
-    """Expand ``mode`` / ``preset`` into knobs; explicit options override the preset."""
+    """Expand ``mode`` / ``preset`` into knobs, the options given laid over the preset's: a
+    key present is explicit whatever its value, so ``chunk_size=None`` (``--chunk-size none``)
+    removes a preset's cap, and a knob left out keeps it."""
     opts = dict(options)
     mode = opts.pop("mode", None)
     preset = opts.pop("preset", None)

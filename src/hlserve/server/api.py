@@ -41,6 +41,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import RequestOutput, SamplingParams, TokenLogprobs
@@ -1089,14 +1090,17 @@ async def stream(group: RequestGroup, fmt: _Chunks, options: Any) -> AsyncIterat
 # ---- entry point ----------------------------------------------------------------------------
 
 
-def serve(model: str, engine_options: dict[str, Any], settings: ServerSettings) -> None:
-    """Build the engine, then serve until interrupted (``hlserve serve``)."""
-    from hlserve.llm import build_engine
+def serve(config: EngineConfig, settings: ServerSettings) -> None:
+    """Build the engine on ``config``, then serve until interrupted (``hlserve serve``)."""
+    from hlserve.engine.factory import build_engine
+    from hlserve.runner.torch_runner import TorchRunner
     from hlserve.server.lifecycle import run_server
+    from hlserve.tokenizer import Tokenizer
 
     keys = KeyTable.load(settings.api_key, settings.api_keys_file)  # fail before loading
     configure_logging(settings.log_level)
-    engine = build_engine(model, **engine_options)
+    engine = build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
+    model = settings.model_arg or config.model
     app = create_app(engine, settings, keys, model)
     st: ServerState = app.state.hlserve
     auth = f"{len(keys)} API key(s)" if keys.enabled else "off"

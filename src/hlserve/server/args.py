@@ -34,6 +34,9 @@ class ServerSettings:
     # the first one is reported; all are accepted. None given: the model directory's base
     # name is reported, and the model argument as given is accepted too
     served_model_names: tuple[str, ...] = ()
+    # the model argument as given (``smollm2-135m``, a .gguf file, a directory): the name
+    # reported and accepted when served_model_names is empty; None: the engine's directory
+    model_arg: str | None = None
     api_key: str | None = None
     api_keys_file: Path | None = None
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
@@ -140,6 +143,7 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         host=args.host,
         port=args.port,
         served_model_names=names,
+        model_arg=model,
         api_key=args.api_key,
         api_keys_file=args.api_keys_file,
         max_queued_requests=args.max_queued_requests,

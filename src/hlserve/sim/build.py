@@ -45,5 +45,5 @@ def build_sim_engine(model: str, hardware: str | Hardware = "H20", tp: int = 1,
     device); the SimRunner's own options in ``sim``."""
     hw = get_hardware(hardware)
     return factory.build_engine(
-        model, options, lambda c: SimRunner(c, hw, tp, **dataclasses.asdict(sim)),
-        device_info=device_info(hw), clock=VirtualClock())
+        make_config(model, device_info=device_info(hw), **options),
+        lambda c: SimRunner(c, hw, tp, **dataclasses.asdict(sim)), clock=VirtualClock())
