@@ -1,7 +1,7 @@
 """The human tax on a production engine: ``hlserve sweep --server-cmd`` over vLLM's CPU build.
 
     python benchmarks/peers/vllm_sweep.py                       # the committed run, docs/vllm_tax
-    python benchmarks/peers/vllm_sweep.py --chunk-sizes 256,1024,none --repeats 3 --out DIR
+    python benchmarks/peers/vllm_sweep.py --chunk-sizes 256,1024,4096 --repeats 3 --out DIR
 
 Each point is a fresh vLLM server (the same build, model and runtime as run_peers.py: the
 Qwen2.5-0.5B shape in bf16, tcmalloc + iomp preloaded, threads bound to both cores) running
@@ -12,8 +12,8 @@ the same closed-loop agent workload; the grid is vLLM's own two knobs,
 - B, the per-step token budget: ``--max-num-batched-tokens``,
 
 plus one more point: the same vLLM with hlserve's scheduler plugin (``--scheduler-cls
-hlserve.integrations.vllm.ThroughputScheduler``, budget cap = the model length). An
-unlimited knob is the model length (4096). Points run interleaved, ``--repeats`` times, after
+hlserve.integrations.vllm.ThroughputScheduler``, budget cap = the model length). No cap is
+the model length (4096), listed as a number: vLLM has no word for it. Points run interleaved, ``--repeats`` times, after
 one excluded warm-up run; the tax table and frontier carry 95% intervals (docs/bench.md,
 "Repeats and intervals"). Everything else is ``hlserve sweep``'s (its --help).
 """
@@ -49,7 +49,8 @@ def server_template(py: Path, max_len: int, kv_gib: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chunk-sizes", default="512,2048,none")
+    ap.add_argument("--chunk-sizes", default=None,
+                    help="C values (default: 512,2048 and the model length, vLLM's no cap)")
     ap.add_argument("--token-budgets", default="same")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=16)
@@ -66,8 +67,8 @@ def main() -> int:
     model = ensure_model(args.model_dir)
     cmd = [sys.executable, "-m", "hlserve.cli", "sweep", "--model", str(model),
            "--server-cmd", server_template(py, args.max_model_len, args.kv_gib),
-           "--unlimited-value", str(args.max_model_len), "--served-model-name", "m",
-           "--chunk-sizes", args.chunk_sizes, "--token-budgets", args.token_budgets,
+           "--served-model-name", "m",
+           "--chunk-sizes", args.chunk_sizes or f"512,2048,{args.max_model_len}", "--token-budgets", args.token_budgets,
            "--add-point", "vllm-hlserve=" + shlex.join(PLUGIN_ARGS),
            "--sessions", str(args.sessions), "--rounds", str(args.rounds),
            "--system-prompt-len", "1024", "--task-len", "128", "--tool-output-len", "128:384",

@@ -18,7 +18,7 @@ from hlserve.request import Request, RequestOutput, SamplingParams, merge_choice
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
-__all__ = ["LLM", "build_engine", "engine_config", "make_config"]
+__all__ = ["LLM", "build_engine", "engine_config"]
 
 Prompt = str | Sequence[int]
 MAX_IDLE_PASSES = 1000
