@@ -185,10 +185,10 @@ class CostModel:
             keys = s.num_decodes * s.decode_ctx_max if hw.decode_attn_padded else s.decode_ctx_sum
             tc = self.attn_flops_per_pair * keys / (hw.attn_eta_compute * self._peak)
             by = self.kv_read_per_token * keys + self.q_bytes_per_token * s.num_decodes
-            # one bandwidth for MHA and GQA alike: a decode kernel of the FlashAttention /
-            # FlashInfer class reads each KV head once for its whole query group (docs/fidelity.md:
-            # the one engine whose GQA decode ran far slower, TensorRT-LLM v0.6.1, predates its
-            # grouped-query XQA kernel)
+            # one bandwidth for MHA and GQA alike: a grouped decode kernel (FlashAttention /
+            # FlashInfer class, and hlserve's own, models/attention.py) reads each KV head once
+            # for its whole query group. docs/fidelity.md: the one engine whose GQA decode ran
+            # far slower, TensorRT-LLM v0.6.1, predates its grouped-query XQA kernel
             eta_m = hw.attn_eta_mem
             if hw.cache_bytes > 0 and by > 0:
                 hit = min(by, hw.cache_bytes)
