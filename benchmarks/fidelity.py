@@ -2,12 +2,14 @@
 source, the simulated value and the error, and the median and worst |error| per group.
 
 Groups: attention (kernel TFLOP/s by sequence length), single-request (time to first token),
-large-batch decode (static-batch output throughput), mixed-batch (a prefill chunk with decodes
+large-batch decode (static-batch output throughput), serving (in-flight batching at a fixed
+concurrency, replayed through the simulated engine), mixed-batch (a prefill chunk with decodes
 riding along) and GEMM held-out rows (Vidur's operator profiles, refitted on part of the rows
 and scored on the rest, and the A100 fit carried to H100 the way H20 borrows H100's fit).
 
-    python benchmarks/fidelity.py                # the tables of docs/fidelity.md
+    python benchmarks/fidelity.py                # the tables of docs/fidelity.md (~4 minutes)
     python benchmarks/fidelity.py --json out.json
+    python benchmarks/fidelity.py --no-serving   # without the engine replays (seconds)
 
 Rows marked ``fit`` may be used to fit a term; ``heldout`` rows never are; ``other-kernel``
 rows show how far another kernel on the same shapes lies and are not scored.
@@ -19,15 +21,19 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from hlserve.models.config import ModelConfig
+from hlserve.sim.build import build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
+from hlserve.sim.drive import run_trace_closed
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.models import _shape
+from hlserve.workloads import BLOCK, MooncakeTrace, TraceRequest
 
 ROWS = Path(__file__).with_name("fidelity_rows.json")
 
@@ -113,6 +119,47 @@ def attn_layer_ms(cm: CostModel, row: dict) -> float:
     return 1e3 * (bd.parts.get(part, 0.0) / cm.layers + cm.hw.kernel_time)
 
 
+def _hf_config(m: dict, max_len: int) -> dict:
+    """A Hugging Face ``config.json`` of a row's model (what the simulated engine loads)."""
+    return {"architectures": [m["arch"]], "hidden_size": m["hidden"], "intermediate_size": m["inter"],
+            "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
+            "num_key_value_heads": m["kv_heads"], "vocab_size": m["vocab"],
+            "max_position_embeddings": max_len, "torch_dtype": "float16"}
+
+
+def _fixed_length_chains(row: dict) -> MooncakeTrace:
+    """``concurrency`` clients, each sending ``rounds`` requests one after another (the next
+    the moment the last finishes), every request ``input`` tokens in and ``output`` out.
+    Distinct prompts, so no prefix is shared (the measured engine caches none either)."""
+    c, rounds, isl, osl = row["concurrency"], row["rounds"], row["input"], row["output"]
+    blocks = -(-isl // BLOCK)
+    reqs = [TraceRequest(i, 0.0, isl, osl, tuple(range(i * blocks, (i + 1) * blocks)),
+                         None if i % rounds == 0 else i - 1)
+            for i in range(c * rounds)]
+    return MooncakeTrace(reqs)
+
+
+def serving_out_tps(data: dict, row: dict, hw: Hardware) -> float:
+    """Output tokens per second of a fixed-concurrency serving run, replayed through the
+    simulated engine (the real scheduler and KV cache on virtual time) with the measured
+    engine's settings: its running-request cap, its KV pool (blocks x tokens per block, as
+    pages of that size), its longest sequence and its prefill tokens per iteration, whole
+    prompts (no chunking), no prefix cache. The clock starts when the clients do, as the
+    measuring script's does."""
+    m = data["models"][row["model"]]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.json"
+        path.write_text(json.dumps(_hf_config(m, row["session_len"])))
+        engine = build_sim_engine(
+            str(path), hw, tp=row["tp"], max_num_seqs=row["max_batch"], enable_prefix_caching=False,
+            page_size=row["block_tokens"], num_pages=row["kv_blocks"], max_model_len=row["session_len"],
+            max_prefill_tokens=row["max_context_tokens"], chunk_size=None)
+        result = run_trace_closed(engine, _fixed_length_chains(row))
+    tokens = sum(r.output_tokens for r in result.records)
+    assert tokens == row["concurrency"] * row["rounds"] * row["output"], row["id"]
+    return tokens / result.duration
+
+
 def host_ms(cm: CostModel, row: dict) -> float:
     hw, n = cm.hw, row["batch"]
     return 1e3 * (hw.iter_overhead + hw.host_overhead + (hw.seq_overhead + hw.host_seq_overhead) * n)
@@ -126,6 +173,8 @@ def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
                            or hw.arch == "hopper"})
     if row["kind"] == "attn_prefill_tflops":
         return attn_prefill_tflops(hw, row)
+    if row["kind"] == "serving_out_tps":
+        return serving_out_tps(data, row, hw)
     cm = CostModel(model_of(data, row["model"]), hw, row.get("tp", 1))
     fn = {"first_token_ms": first_token_ms, "static_batch_out_tps": static_batch_out_tps,
           "mixed_over_prefill": mixed_over_prefill, "attn_layer_ms": attn_layer_ms,
@@ -134,9 +183,11 @@ def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
     return value / row["tp"] if row.get("per_gpu") else value
 
 
-def table_rows(data: dict, hw_override: dict | None = None) -> list[Result]:
+def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True) -> list[Result]:
     out = []
     for r in data["rows"]:
+        if r["kind"] == "serving_out_tps" and not serving:
+            continue
         sim = simulate(data, r, hw_override)
         out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]), sim, r["unit"],
                           f"{data['sources'][r['source']].split(' at ')[0].split(' (')[0]}: "
@@ -161,16 +212,14 @@ def _fit(data: dict, ids: list[str], names: list[str], x0: list[float], lo: list
 
 
 def fit_corrections(data: dict) -> dict[str, float]:
-    """Prefill attention efficiency by length (Hopper only: FA3 rows 512, 2K, 8K); decode
-    attention bandwidth of MHA models (one TensorRT-LLM MHA row) and of GQA models (one
-    Vidur vLLM decode row). The GQA term is not fitted on TensorRT-LLM's 70B rows: the
-    v0.6.1 GQA decode they imply (~29% of HBM bandwidth) is that engine's, and would be
-    +166% off on vLLM's kernel (the Vidur rows)."""
+    """Prefill attention efficiency by length (Hopper only: FA3 rows 512, 2K, 8K) and decode
+    attention bandwidth, one value for MHA and GQA models, on the one TensorRT-LLM row whose
+    time is almost all decode attention and weight reads (Llama-2-7B, 60 x 128/2048). Every
+    serving row and the GQA rows are held out: they test the single bandwidth."""
     attn = _fit(data, ["attn-fa3-512", "attn-fa3-2k", "attn-fa3-8k"],
                 ["attn_eta_compute", "attn_len_half"], [0.65, 300.0], [0.2, 0.0], [1.0, 1e5])
-    mha = _fit(data, ["tput-a100-7b-60x128x2048"], ["attn_eta_mem"], [0.7], [0.1], [1.0])
-    gqa = _fit(data, ["attn-vidur-dec-b128-ctx1920"], ["attn_eta_mem_gqa"], [0.7], [0.05], [1.0])
-    return {**attn, **mha, **gqa}
+    decode = _fit(data, ["tput-a100-7b-60x128x2048"], ["attn_eta_mem"], [0.7], [0.1], [1.0])
+    return {**attn, **decode}
 
 
 # ---- GEMM rows the fits did not use ---------------------------------------------------------
@@ -281,8 +330,9 @@ def summary_markdown(groups: dict[str, dict], after: dict[str, dict] | None = No
     return "\n".join(lines)
 
 
-def run(hw_override: dict | None = None, gemm: bool = True) -> tuple[list[Result], dict[str, dict]]:
-    results = table_rows(load(), hw_override)
+def run(hw_override: dict | None = None, gemm: bool = True,
+        serving: bool = True) -> tuple[list[Result], dict[str, dict]]:
+    results = table_rows(load(), hw_override, serving)
     if gemm:
         results += gemm_heldout()
     return results, summary(results)
@@ -292,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write rows and summary to this file")
     p.add_argument("--no-gemm", action="store_true", help="skip the Vidur GEMM rows")
+    p.add_argument("--no-serving", action="store_true", help="skip the serving replays")
     args = p.parse_args(argv)
-    results, groups = run(gemm=not args.no_gemm)
+    results, groups = run(gemm=not args.no_gemm, serving=not args.no_serving)
     fixes = fit_corrections(load())
-    after, after_groups = run(fixes, gemm=False)
+    after, after_groups = run(fixes, gemm=False, serving=not args.no_serving)
     print(f"Corrections fitted on the rows marked 'fit': {fixes}\n")
     print(summary_markdown(groups, after_groups))
     print()

@@ -117,8 +117,6 @@ class CostModel:
         self._n_half = hw.gemm_n_half
         self._linear_cache: dict[int, tuple[float, float, float, float]] = {}
         self._launch = L * hw.kernels_per_layer * hw.launch_time
-        gqa = model.num_key_value_heads < model.num_attention_heads
-        self._decode_eta_mem = hw.attn_eta_mem_gqa if gqa and hw.attn_eta_mem_gqa > 0 else hw.attn_eta_mem
 
     # ---- pieces ----------------------------------------------------------------------------
     def gemm(self, n: int, k: int, m: int) -> tuple[float, float, float]:
@@ -187,7 +185,11 @@ class CostModel:
             keys = s.num_decodes * s.decode_ctx_max if hw.decode_attn_padded else s.decode_ctx_sum
             tc = self.attn_flops_per_pair * keys / (hw.attn_eta_compute * self._peak)
             by = self.kv_read_per_token * keys + self.q_bytes_per_token * s.num_decodes
-            eta_m = self._decode_eta_mem
+            # one bandwidth for MHA and GQA alike: a grouped decode kernel (FlashAttention /
+            # FlashInfer class, and hlserve's own, models/attention.py) reads each KV head once
+            # for its whole query group. docs/fidelity.md: the one engine whose GQA decode ran
+            # far slower, TensorRT-LLM v0.6.1, predates its grouped-query XQA kernel
+            eta_m = hw.attn_eta_mem
             if hw.cache_bytes > 0 and by > 0:
                 hit = min(by, hw.cache_bytes)
                 tm = hit / (hw.attn_eta_cache * self._bw) + (by - hit) / (eta_m * self._bw)
