@@ -16,6 +16,13 @@ from hlserve.errors import InvalidRequestError
 from hlserve.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 512  # compiled grammars kept (LRU), keyed by the spec's text
+# ... and the bytes they may hold. llguidance does not report a matcher's size, so an entry
+# is charged by its spec's length: a 495K-character regex alternation grew the process by
+# 33 MB once compiled and probed (67 B a character; JSON schemas and choices far less), so
+# 128 B a character bounds every kind measured. A spec charged over a quarter of the budget
+# is compiled per request and freed with it instead of being kept.
+CACHE_BYTES = 256 << 20
+BYTES_PER_SPEC_CHAR = 128
 PROBE_STEPS = 2  # matcher steps taken at compile time, where llguidance's lazy errors surface
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -73,6 +80,7 @@ class GrammarCompiler:
         self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                            eos_token=sorted(eos_ids))
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._bytes = 0  # the charge of what _cache holds (see CACHE_BYTES)
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -94,11 +102,23 @@ class GrammarCompiler:
                                       f"{short_error(matcher.get_error())}")
         if (why := self._probe(matcher.deep_copy())) is not None:
             raise InvalidRequestError(f"invalid {key[0]} for structured output: {why}")
+        self._keep(key, matcher)
+        return matcher.deep_copy()
+
+    def _keep(self, key: tuple, matcher: llguidance.LLMatcher) -> None:
+        """Cache a compiled matcher within CACHE_SIZE entries and CACHE_BYTES, evicting the
+        least recently used; one too large for a quarter of the budget is not kept."""
+        charge = spec_charge(key)
+        if charge > CACHE_BYTES // 4:
+            return
         with self._lock:
+            if key in self._cache:  # compiled twice at once: keep one
+                return
             self._cache[key] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return matcher.deep_copy()
+            self._bytes += charge
+            while len(self._cache) > CACHE_SIZE or self._bytes > CACHE_BYTES:
+                old, _ = self._cache.popitem(last=False)
+                self._bytes -= spec_charge(old)
 
     def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
         """Why the grammar cannot be matched, or None: its first PROBE_STEPS steps (mask, then
@@ -128,6 +148,16 @@ class GrammarCompiler:
     @property
     def cached(self) -> int:
         return len(self._cache)
+
+    @property
+    def cached_bytes(self) -> int:
+        """What the cache is charged with now (<= CACHE_BYTES)."""
+        return self._bytes
+
+
+def spec_charge(key: tuple) -> int:
+    """The bytes a cached grammar is charged: its spec's text times BYTES_PER_SPEC_CHAR."""
+    return max(1, len(key[1])) * BYTES_PER_SPEC_CHAR
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
