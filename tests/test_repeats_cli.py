@@ -19,7 +19,7 @@ VARIES = ("wall_s", "wall_s_ci95", "request_file")  # wall-clock seconds, and pa
 
 def _points(out: Path) -> dict[str, dict]:
     summary = json.loads((out / "sweep.json").read_text())
-    return {p["label"]: p["result"] for p in summary["points"]}
+    return {p["label"]: p["metrics"] for p in summary["points"]}
 
 
 def _same(res: dict) -> dict:
