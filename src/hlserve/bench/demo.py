@@ -40,7 +40,7 @@ class DemoSpec:
 
 def _real_run(spec: DemoSpec, common: dict[str, Any], options: dict[str, Any],
               seed: int) -> dict[str, Any]:
-    from hlserve.bench.driver import run_agent_sessions
+    from hlserve.driver.closed_loop import run_agent_sessions
     from hlserve.llm import build_engine
     from hlserve.workloads import AgentWorkload
 
