@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hlserve.sim.study import components, human_tax, latency, load_points, throughput
-from hlserve.sim.study_seeds import Interval, key, load_by_seed, meets_in, tax_over_seeds
+from hlserve.sim.study.core import components, human_tax, latency, throughput
+from hlserve.sim.study.runs import load_points
+from hlserve.sim.study.seeds import Interval, key, load_by_seed, meets_in, tax_over_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "study.md"
@@ -464,7 +465,7 @@ def noreuse_tax_row(s: Study, ctx: int, slo: tuple[float, float]) -> list[float]
 def gain_pct(by_seed: dict[int, list[Rec]], ctx: int, n: int, base: tuple[str, int | None],
              ours: tuple[str, int | None] = ("hlserve", None)) -> list[float]:
     """Gain (%) of ``ours`` over ``base`` paired by seed, and its interval's ends."""
-    from hlserve.sim.study_seeds import gain_over_seeds
+    from hlserve.sim.study.seeds import gain_over_seeds
 
     v = gain_over_seeds(by_seed, (ctx, n, *ours), (ctx, n, *base))
     if v is None or v.ci is None:
@@ -473,7 +474,7 @@ def gain_pct(by_seed: dict[int, list[Rec]], ctx: int, n: int, base: tuple[str, i
 
 
 def best_k(by_seed: dict[int, list[Rec]], ctx: int) -> float:
-    from hlserve.sim.study_seeds import best_over_seeds
+    from hlserve.sim.study.seeds import best_over_seeds
 
     return best_over_seeds(by_seed, ctx, None)[0].mean / 1e3
 
@@ -927,7 +928,8 @@ def table(results: list[Result]) -> str:
 
 def replot(points: Path = POINTS) -> list[Path]:
     """Redraw the study's figures from the stored points (no simulation)."""
-    from hlserve.sim.study import group, plots
+    from hlserve.sim.study.core import group
+    from hlserve.sim.study.report import plots
 
     return plots(group(load_points(points)), points)
 

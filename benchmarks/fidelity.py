@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hlserve.driver.closed_loop import run_closed_loop
 from hlserve.models.config import ModelConfig
 from hlserve.sim.build import build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
-from hlserve.sim.drive import run_trace_closed
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.models import _shape
 from hlserve.workloads import BLOCK, MooncakeTrace, TraceRequest
@@ -127,16 +127,31 @@ def _hf_config(m: dict, max_len: int) -> dict:
             "max_position_embeddings": max_len, "torch_dtype": "float16"}
 
 
-def _fixed_length_chains(row: dict) -> MooncakeTrace:
-    """``concurrency`` clients, each sending ``rounds`` requests one after another (the next
-    the moment the last finishes), every request ``input`` tokens in and ``output`` out.
-    Distinct prompts, so no prefix is shared (the measured engine caches none either)."""
-    c, rounds, isl, osl = row["concurrency"], row["rounds"], row["input"], row["output"]
-    blocks = -(-isl // BLOCK)
-    reqs = [TraceRequest(i, 0.0, isl, osl, tuple(range(i * blocks, (i + 1) * blocks)),
-                         None if i % rounds == 0 else i - 1)
-            for i in range(c * rounds)]
-    return MooncakeTrace(reqs)
+@dataclass
+class _Client:
+    """One client of a fixed-length serving run, as a closed-loop session: ``rounds``
+    requests one after another (the next the moment the last finishes), every request
+    ``input`` tokens in and ``output`` out. Distinct prompts, so no prefix is shared (the
+    measured engine caches none either)."""
+
+    session_id: int
+    rounds: int
+    input: int
+    output: int
+    round: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.round >= self.rounds
+
+    def next_request(self) -> tuple[list[int], int]:
+        blocks = -(-self.input // BLOCK)
+        first = (self.session_id * self.rounds + self.round) * blocks
+        r = TraceRequest(0, 0.0, self.input, self.output, tuple(range(first, first + blocks)), None)
+        return MooncakeTrace([r]).prompt(r), self.output
+
+    def complete(self, output_ids: list[int]) -> None:
+        self.round += 1
 
 
 def serving_out_tps(data: dict, row: dict, hw: Hardware) -> float:
@@ -154,7 +169,9 @@ def serving_out_tps(data: dict, row: dict, hw: Hardware) -> float:
             str(path), hw, tp=row["tp"], max_num_seqs=row["max_batch"], enable_prefix_caching=False,
             page_size=row["block_tokens"], num_pages=row["kv_blocks"], max_model_len=row["session_len"],
             max_prefill_tokens=row["max_context_tokens"], chunk_size=None)
-        result = run_trace_closed(engine, _fixed_length_chains(row))
+        clients = [_Client(i, row["rounds"], row["input"], row["output"])
+                   for i in range(row["concurrency"])]
+        result = run_closed_loop(engine, clients.__getitem__, len(clients))
     tokens = sum(r.output_tokens for r in result.records)
     assert tokens == row["concurrency"] * row["rounds"] * row["output"], row["id"]
     return tokens / result.duration

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from hlserve.sim.hardware import Hardware, get_hardware
-from hlserve.sim.study import Point, StudySpec, run_point
+from hlserve.sim.study.core import Point, StudySpec, run_point
 from hlserve.stats import mean_ci
 
 SYSTEMS = (("hlserve", None), ("sglang", 8192), ("sarathi", 512))

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 
 from hlserve.sim.hardware import get_hardware
-from hlserve.sim.study import Point, StudySpec, run_point
+from hlserve.sim.study.core import Point, StudySpec, run_point
 
 SYSTEMS = (("hlserve", None), ("sglang", 8192), ("sarathi", 512))
 

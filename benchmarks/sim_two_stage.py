@@ -1,7 +1,7 @@
 """Two-stage mixing's hysteresis at 64K context on the simulated 8xH20 (docs/study.md,
 section 3): throughput mode with its default thresholds (decode-only above 90% KV use until
 use falls below 70%), with narrower ones, and with mixing always. Each variant is a study
-point (``hlserve.sim.study.run_point``) with the engine options changed.
+point (``hlserve.sim.study.core.run_point``) with the engine options changed.
 
     python benchmarks/sim_two_stage.py                  # 128 sessions: overload
     python benchmarks/sim_two_stage.py --sessions 64
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hlserve.sim.study import Point, StudySpec, run_point
+from hlserve.sim.study.core import Point, StudySpec, run_point
 
 VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("two-stage 0.90 / 0.70 (default)", {}),

@@ -42,16 +42,17 @@ class HistoryRunner(Runner):
         elapsed += per_context * sum(s.end for s in batch.seqs)
         for seq in batch.seqs:
             req = seq.request
+            tokens = req.all_token_ids
             ps = self.page_size
             # context before the chunk must already be in this request's pages
             for pos in range(seq.start if self.check else 0):
                 slot = seq.page_table[pos // ps] * ps + pos % ps
-                assert self.kv_content.get(slot) == req.token_at(pos), "stale or foreign KV"
+                assert self.kv_content.get(slot) == tokens[pos], "stale or foreign KV"
             for pos in range(seq.start, seq.end):
                 slot = seq.page_table[pos // ps] * ps + pos % ps
                 assert slot not in slots_seen, "two sequences write one slot"
                 slots_seen.add(slot)
-                self.kv_content[slot] = req.token_at(pos)
+                self.kv_content[slot] = tokens[pos]
             if seq.samples:
                 out[req.request_id] = hash(tuple(req.all_token_ids)) % VOCAB
         return StepResult(tokens=out, elapsed=elapsed)

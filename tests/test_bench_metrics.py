@@ -66,7 +66,7 @@ def test_slo_attainment_and_goodput() -> None:
 
 
 def point(label: str, thr: float, ttft: float, tpot: float, failed: int = 0) -> dict:
-    return {"label": label, "knobs": {}, "result": {
+    return {"label": label, "knobs": {}, "metrics": {
         "completed": 10, "failed": failed, "total_token_throughput": thr,
         "p99_ttft_ms": ttft, "p99_tpot_ms": tpot}}
 

@@ -22,7 +22,7 @@ def check_outputs(out: Path, labels: list[str]) -> dict:
     summary = json.loads((out / "sweep.json").read_text())
     assert [p["label"] for p in summary["points"]] == labels
     for p in summary["points"]:
-        r = p["result"]
+        r = p["metrics"]
         assert r["completed"] == 6 and r["failed"] == 0, r.get("error") or r.get("errors")
         assert r["sessions_completed"] == 3
         assert (out / "points" / f"{p['label']}.json").exists()
@@ -41,7 +41,7 @@ def test_in_process_sweep(tiny_llama: Path, tmp_path: Path) -> None:
                                 "512", "--num-pages", "128"], command="test")
     run_sweep(sw, log=lambda *a: None)
     summary = check_outputs(tmp_path, ["C=32", "C=none", "throughput"])
-    res = {p["label"]: p["result"] for p in summary["points"]}
+    res = {p["label"]: p["metrics"] for p in summary["points"]}
     assert res["C=32"]["engine_config"]["chunk_size"] == 32
     assert res["C=32"]["engine_config"]["token_budget"] == 32
     assert res["C=32"]["engine_config"]["mixing"] == "always"  # the base preset (vllm)
@@ -66,10 +66,10 @@ def test_server_sweep_starts_and_stops_a_server_per_point(tiny_llama: Path,
     run_sweep(sw, log=lambda *a: None)
     summary = check_outputs(tmp_path, ["C=32", "C=none"])
     for p in summary["points"]:
-        cmd = p["result"]["server_command"]
+        cmd = p["metrics"]["server_command"]
         # no cap reaches the server as the word none, which hlserve serve reads as None
         assert "--chunk-size 32" in cmd if p["label"] == "C=32" else "--chunk-size none" in cmd
-        log = Path(p["result"]["server_log"]).read_text()
+        log = Path(p["metrics"]["server_log"]).read_text()
         assert "hlserve engine caps" in log and "Traceback" not in log
         if p["label"] == "C=none":
             assert "chunk_size                 off" in log  # the engine got None
@@ -93,8 +93,8 @@ def test_simulated_sweep(tmp_path: Path) -> None:
     run_sweep(sw, log=lambda *a: None)
     summary = check_outputs(tmp_path, ["C=512", "C=none"])
     for p in summary["points"]:
-        assert p["result"]["clock"] == "virtual"
-        assert p["result"]["engine_config"]["chunk_size"] == p["knobs"]["chunk_size"]
+        assert p["metrics"]["clock"] == "virtual"
+        assert p["metrics"]["engine_config"]["chunk_size"] == p["knobs"]["chunk_size"]
 
 
 def _point(label: str, ttft: float, tpot: float, tput: float, half: float | None) -> dict:
@@ -103,7 +103,7 @@ def _point(label: str, ttft: float, tpot: float, tput: float, half: float | None
     if half is not None:
         for k in ("p99_ttft_ms", "p99_tpot_ms", "total_token_throughput"):
             r[f"{k}_ci95"] = [r[k] - half, r[k] + half]
-    return {"label": label, "knobs": {}, "result": r}
+    return {"label": label, "knobs": {}, "metrics": r}
 
 
 def test_frontier_plot_draws_intervals_and_readable_axes(tmp_path: Path,

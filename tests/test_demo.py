@@ -33,7 +33,7 @@ def test_verdict_with_one_repeat_makes_no_claim() -> None:
 
 def test_sim_tax_picks_the_best_meeting_the_slo_and_gives_its_interval() -> None:
     def cfg(thr: list[float], ttft: float, tpot: float) -> dict:
-        return {"repeats": len(thr), "window_token_throughput": sum(thr) / len(thr),
+        return {"repeats": len(thr), "completed": 40.0, "window_token_throughput": sum(thr) / len(thr),
                 "p99_ttft_ms": ttft, "p99_tpot_ms": tpot,
                 "repeat_values": {"window_token_throughput": thr}}
 

@@ -1,5 +1,7 @@
 """The package's layout rules (docs/architecture.md), read from the source with ``ast``:
-imports flow down the layers and form no cycle between folders and top-level modules, ``engine/``
+imports flow down the layers and form no cycle between folders and top-level modules, nor
+between files (imports inside functions counted: one may defer a heavy import, never close a
+loop), ``engine/``
 reaches no layer above it, ``runner/`` sees the engine only through its runner interface,
 only the CLI's own modules import ``hlserve.cli``, no function is longer than
 ``MAX_FUNCTION_LINES``, and every module opens with a docstring."""
@@ -149,6 +151,21 @@ def test_no_import_cycle_between_folders_and_top_level_modules() -> None:
         f"{' <-> '.join(c)}:\n    " + "\n    ".join(edges_between(graph, c)) for c in found)
 
 
+def module_graph() -> dict[str, set[str]]:
+    """Each module's imports of the package's other modules, those inside functions included:
+    a function-level import may defer a heavy dependency (torch, matplotlib), but an edge it
+    adds is an edge of the graph, so it cannot hide a loop between two files."""
+    return {m: {t for t in imports_of(m) if t in MODULES and t != m} for m in MODULES}
+
+
+def test_no_import_cycle_between_files() -> None:
+    graph = module_graph()
+    found = cycles(graph)
+    assert not found, "import cycles between files:\n" + "\n".join(
+        " <-> ".join(c) + ":\n    " + "\n    ".join(
+            f"{m} -> {t}" for m in c for t in sorted(graph[m]) if t in c) for c in found)
+
+
 def rank(u: str) -> int:
     name = u.removeprefix("hlserve.")
     ranks = [i for i, layer in enumerate(LAYERS) if name in layer]
@@ -226,3 +243,5 @@ def test_the_checks_see_what_they_check() -> None:
     assert "hlserve.engine.batch" in imports_of("hlserve.runner.torch_runner")
     assert "hlserve.engine.scheduler" in imports_of("hlserve.engine.engine")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # an import inside a function is an edge of the file graph (cmd_study imports lazily)
+    assert "hlserve.sim.study.report" in module_graph()["hlserve.sim.cli"]

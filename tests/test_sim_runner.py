@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hlserve.bench.driver import run_agent_sessions
+from hlserve.config import EngineConfig
+from hlserve.driver.closed_loop import run_agent_sessions
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.scheduler import Scheduler
 from hlserve.request import SamplingParams
-from hlserve.sim.build import SimOptions, build_sim_engine, sim_config
+from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.drive import run_agent_steady
 from hlserve.sim.runner import SimRunner
 from hlserve.workloads import AgentWorkload
@@ -64,7 +65,7 @@ def test_deterministic() -> None:
 
 
 def test_tokens_avoid_eos_unless_asked() -> None:
-    cfg = sim_config("Qwen2.5-0.5B", "H100")
+    cfg = EngineConfig(model="Qwen2.5-0.5B")
     runner = SimRunner(cfg, "H100", 1)
     eos = set(runner.model_config.eos_token_ids)
     toks = {runner._token(last, pos) for last in range(50) for pos in range(200)}
@@ -107,7 +108,7 @@ def test_steady_state_driver() -> None:
 
 def test_engine_built_by_hand() -> None:
     """SimRunner is a plain Runner: any Engine takes it."""
-    cfg = sim_config("Llama-3.1-8B", "A100", chunk_size=256, token_budget=512)
+    cfg = EngineConfig(model="Llama-3.1-8B", chunk_size=256, token_budget=512)
     engine = Engine(cfg, SimRunner(cfg, "A100", 1), clock=VirtualClock())
     req = engine.add_request(list(range(3, 1003)), SamplingParams(max_tokens=4, temperature=0))
     steps = 0

@@ -10,27 +10,23 @@ import numpy as np
 import pytest
 
 from hlserve.sim.cli import main as sim_main
-from hlserve.sim.study import (
-    Point,
-    StudySpec,
-    _done,
-    human_tax,
-    pareto,
-    report,
-    run_study,
-    system_options,
-)
+from hlserve.sim.study.core import Point, StudySpec, human_tax, pareto, system_options
+from hlserve.sim.study.report import report
+from hlserve.sim.study.runs import _done, run_study
 
 
 def test_pareto_and_tax() -> None:
     assert pareto([1, 2, 3, 4], [10, 5, 20, 15]) == [0, 2]
     recs = [
         {"point": {"system": "hlserve", "knob": None}, "label": "hl",
-         "metrics": {"total_token_throughput": 100.0, "p99_ttft_ms": 9000, "p99_tpot_ms": 300}},
+         "metrics": {"completed": 9, "window_token_throughput": 100.0, "p99_ttft_ms": 9000,
+                     "p99_tpot_ms": 300}},
         {"point": {"system": "sglang", "knob": 512}, "label": "sg",
-         "metrics": {"total_token_throughput": 30.0, "p99_ttft_ms": 1500, "p99_tpot_ms": 80}},
+         "metrics": {"completed": 9, "window_token_throughput": 30.0, "p99_ttft_ms": 1500,
+                     "p99_tpot_ms": 80}},
         {"point": {"system": "vllm", "knob": 2048}, "label": "vl",
-         "metrics": {"total_token_throughput": 60.0, "p99_ttft_ms": 3000, "p99_tpot_ms": 90}},
+         "metrics": {"completed": 9, "window_token_throughput": 60.0, "p99_ttft_ms": 3000,
+                     "p99_tpot_ms": 90}},
     ]
     tax, bc, bu = human_tax(recs, 2000, 100)
     assert tax == pytest.approx(0.7) and bc["label"] == "sg" and bu["label"] == "hl"
@@ -119,7 +115,7 @@ def test_agent_workload_without_prefix_reuse() -> None:
 def test_stall_metrics_and_turnover() -> None:
     from hlserve.driver.closed_loop import LoopResult
     from hlserve.driver.records import RequestRecord
-    from hlserve.sim.study import stall_metrics, turnover_metrics
+    from hlserve.sim.study.core import stall_metrics, turnover_metrics, window_metrics
 
     def rec(times: list[float]) -> RequestRecord:
         return RequestRecord(request_id="r", start=0.0, end=times[-1], chunk_times=times,
@@ -127,12 +123,16 @@ def test_stall_metrics_and_turnover() -> None:
 
     recs = [rec([0.0, 0.01, 0.02, 1.02, 1.03]), rec([0.5, 0.52, 0.54]), rec([2.0])]
     m = stall_metrics(recs)
-    gaps = [0.01, 0.01, 1.0, 0.01, 0.02, 0.02]
-    assert m["median_itl_ms"] == pytest.approx(1e3 * float(np.percentile(gaps, 50)))
-    assert m["p99_itl_ms"] == pytest.approx(1e3 * float(np.percentile(gaps, 99)))
     assert m["max_longest_stall_ms"] == pytest.approx(1000.0)
     assert m["median_longest_stall_ms"] == pytest.approx(1e3 * (1.0 + 0.02) / 2)
-    assert stall_metrics([])["p99_itl_ms"] is None
+    assert stall_metrics([])["p99_longest_stall_ms"] is None
+    # the pooled gaps (ITL) are the one summary's, which a point keeps
+    res = LoopResult(records=recs, duration=10.0, session_times=[])
+    w = window_metrics(res)
+    gaps = [0.01, 0.01, 1.0, 0.01, 0.02, 0.02]
+    assert w["median_itl_ms"] == pytest.approx(1e3 * float(np.percentile(gaps, 50)))
+    assert w["p99_itl_ms"] == pytest.approx(1e3 * float(np.percentile(gaps, 99)))
+    assert w["failed"] == 0 and w["completed"] == 3
     res = LoopResult(records=[], duration=1800.0, session_times=[1.0] * 3)
     res.sessions_ended_in_window = 6
     t = turnover_metrics(res, sessions=8)

@@ -9,8 +9,9 @@ import random
 
 import pytest
 
+from hlserve.driver.closed_loop import run_closed_loop
 from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_open_loop, run_trace_closed
+from hlserve.sim.drive import run_open_loop
 from hlserve.sim.fitting import find_data_dir
 from hlserve.workloads import (
     BLOCK,
@@ -18,7 +19,9 @@ from hlserve.workloads import (
     Dist,
     MooncakeTrace,
     PoissonChat,
+    ScaledTrace,
     trace_arrivals,
+    trace_sessions,
 )
 
 
@@ -70,23 +73,19 @@ def test_open_and_closed_trace_replay(tmp_path) -> None:
     assert arrivals == pytest.approx([r["timestamp"] / 1000 for r in ROWS])
     assert [r.output_tokens for r in sorted(res.records, key=lambda r: r.session_id)] == \
         [r["output_length"] for r in ROWS]
-    # closed loop: a continuation is sent the moment its parent finishes
+    # closed loop along the chains, as sessions on the one closed-loop driver: a continuation
+    # is sent the moment its parent finishes, and finds the prefix its parent left cached
+    sessions = trace_sessions(ScaledTrace(tr, 1.0), sessions=5)
+    assert [len(s.rounds_spec) for s in sessions] == [3]  # the chain 0 -> 2 -> 3
     e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", check_invariants=True)
-    res = run_trace_closed(e, tr)
-    by = {r.round: r for r in res.records}  # round = trace index
-    assert len(by) == 5
-    assert by[2].start == pytest.approx(by[0].end)
-    assert by[3].start == pytest.approx(by[2].end)
-    assert by[4].start == pytest.approx(by[0].end)
-    assert by[1].start == pytest.approx(0.5)  # a root: at its timestamp
-    assert len(res.session_times) == 2  # chains rooted at 0 and 1
-    # the continuation hits the prefix its parent left in the cache
-    assert by[3].cached_tokens >= 3 * BLOCK - 16
-    # with a concurrency limit roots start as slots free up
-    e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput")
-    res = run_trace_closed(e, tr, concurrency=1)
+    res = run_closed_loop(e, sessions.__getitem__, len(sessions))
     by = {r.round: r for r in res.records}
-    assert by[1].start >= max(by[k].end for k in (0, 2, 3, 4)) - 1e-9
+    assert len(by) == 3 and all(r.success for r in res.records)
+    assert by[1].start == pytest.approx(by[0].end)
+    assert by[2].start == pytest.approx(by[1].end)
+    assert [r.output_tokens for r in (by[0], by[1], by[2])] == [20, 30, 15]
+    assert len(res.session_times) == 1
+    assert by[2].cached_tokens >= 3 * BLOCK - 16
 
 
 def test_poisson_chat() -> None:

@@ -1,5 +1,6 @@
-"""Interval arithmetic (hlserve.stats) against scipy on known samples, and the repeat driver's
-interleaved order (hlserve.driver.repeats)."""
+"""Interval arithmetic (hlserve.stats) against scipy on known samples, the t quantile's
+fallback (for an install without scipy) against scipy's, and the repeat driver's interleaved
+order (hlserve.driver.repeats)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import math
 
 import pytest
 
+from hlserve import stats
 from hlserve.driver.repeats import RepeatPlan, aggregate, run_repeats, schedule
 from hlserve.stats import (
-    diff_ci,
     fmt_ci,
     mean_ci,
     ratio_ci,
@@ -17,6 +18,7 @@ from hlserve.stats import (
     t_cdf,
     t_critical,
     t_ppf,
+    t_ppf_fallback,
 )
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -30,9 +32,10 @@ SAMPLES = [
 
 
 @pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 9, 19, 29, 100, 2.5])
-def test_t_quantile_and_cdf_match_scipy(df: float) -> None:
+def test_t_quantile_fallback_and_cdf_match_scipy(df: float) -> None:
     for p in (0.5, 0.6, 0.9, 0.95, 0.975, 0.995, 0.025, 0.001):
-        assert t_ppf(p, df) == pytest.approx(scipy_stats.t.ppf(p, df), rel=1e-9, abs=1e-9)
+        assert t_ppf(p, df) == float(scipy_stats.t.ppf(p, df))  # scipy's, where installed
+        assert t_ppf_fallback(p, df) == pytest.approx(t_ppf(p, df), rel=1e-9, abs=1e-9)
     for t in (-7.0, -2.0, -0.3, 0.0, 0.8, 2.5, 12.0):
         assert t_cdf(t, df) == pytest.approx(scipy_stats.t.cdf(t, df), rel=1e-9, abs=1e-12)
 
@@ -47,6 +50,15 @@ def test_mean_interval_matches_scipy(xs: list[float]) -> None:
     assert t_critical(len(xs)) == pytest.approx(scipy_stats.t.ppf(0.975, len(xs) - 1))
 
 
+def test_without_scipy_the_intervals_come_from_the_fallback(monkeypatch) -> None:
+    with_scipy = [mean_ci(xs)[1] for xs in SAMPLES]
+    monkeypatch.setattr(stats, "_scipy_t", lambda: None)
+    assert t_ppf(0.975, 4) == t_ppf_fallback(0.975, 4) != float(scipy_stats.t.ppf(0.975, 4))
+    without = [mean_ci(xs)[1] for xs in SAMPLES]
+    for a, b in zip(with_scipy, without, strict=True):
+        assert a == pytest.approx(b, rel=1e-9)
+
+
 def test_one_value_has_no_interval() -> None:
     assert mean_ci([3.0]) == (3.0, None)
     assert ratio_ci([2.0], [3.0]) == (1.5, None)
@@ -57,8 +69,8 @@ def test_one_value_has_no_interval() -> None:
 
 def test_paired_difference_matches_scipy_paired_t() -> None:
     a, b = SAMPLES[1], [x + 0.2 + 0.05 * (i % 3) for i, x in enumerate(SAMPLES[1])]
-    m, (lo, hi) = diff_ci(a, b)
     d = [y - x for x, y in zip(a, b, strict=True)]
+    m, (lo, hi) = mean_ci(d)
     res = scipy_stats.ttest_rel(b, a)
     ci = res.confidence_interval(0.95)
     assert (lo, hi) == pytest.approx((ci.low, ci.high), rel=1e-9)
@@ -88,7 +100,7 @@ def test_ratio_contains_one_exactly_when_the_difference_contains_zero() -> None:
     for shift in (-8.0, -2.0, 0.5, 3.0, 9.0):
         b = [x + shift + (1.5 if i % 2 else -1.5) for i, x in enumerate(a)]
         v = ratio_verdict(a, b)
-        _, (dlo, dhi) = diff_ci(a, b)
+        _, (dlo, dhi) = mean_ci([y - x for x, y in zip(a, b, strict=True)])
         assert v.within_noise == (dlo <= 0 <= dhi)
         assert v.text().endswith("within noise") == v.within_noise
 

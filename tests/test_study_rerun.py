@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.sim.study import Point, StudySpec, run_point
+from hlserve.sim.study.core import Point, StudySpec, run_point
 
 STORED = Path(__file__).resolve().parent.parent / "docs" / "study" / "h20" / "points"
 # two of the fastest stored points (a few seconds each), one preset and throughput mode, and

@@ -8,7 +8,7 @@ import math
 import pytest
 from scipy import stats as sps
 
-from hlserve.sim.study_seeds import load_by_seed, report, summarize_seeds, tax_over_seeds
+from hlserve.sim.study.seeds import load_by_seed, report, summarize_seeds, tax_over_seeds
 
 
 def rec(seed: int, system: str, knob: int | None, tput: float, ttft: float, tpot: float,
@@ -16,7 +16,7 @@ def rec(seed: int, system: str, knob: int | None, tput: float, ttft: float, tpot
     label = system if knob is None else f"{system} C={knob}"
     return {"point": {"system": system, "knob": knob, "context": 32768, "sessions": sessions},
             "label": label, "spec": {"seed": seed},
-            "metrics": {"window_token_throughput": tput, "p99_ttft_ms": ttft,
+            "metrics": {"completed": 40, "window_token_throughput": tput, "p99_ttft_ms": ttft,
                         "p99_tpot_ms": tpot, "p99_itl_ms": 10 * tpot,
                         "p99_longest_stall_ms": 20 * tpot}}
 

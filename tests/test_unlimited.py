@@ -96,7 +96,7 @@ def test_sweep_engine_args_unlimited_over_a_preset(tiny_llama: Path, tmp_path: P
                    "--task-len", "8", "--tool-output-len", "8:8", "--output-len", "2:2",
                    "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
-    res = json.loads((tmp_path / "sweep.json").read_text())["points"][0]["result"]
+    res = json.loads((tmp_path / "sweep.json").read_text())["points"][0]["metrics"]
     cfg = res["engine_config"]
     assert cfg["chunk_size"] is None and cfg["token_budget"] is None and cfg["preset"] == "vllm"
     assert res["engine_options"]["chunk_size"] is None  # recorded as null, not a Python object

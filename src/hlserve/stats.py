@@ -6,8 +6,10 @@ Pure and torch-free (bottom layer). Choices, and why:
 - **Mean interval: Student t.** Repeats are few (2-10), so a bootstrap of so few values is
   too narrow (it cannot see beyond the sample's own range); the t interval is exact for normal
   errors and robust enough for throughputs and percentiles averaged over a run. The t quantile
-  is computed here (regularized incomplete beta, inverted by bisection) so that the package
-  needs no scipy; the tests check it against scipy.
+  is scipy's where scipy is installed (the ``bench`` extra has it); the core install has no
+  scipy, yet its ``hlserve demo`` and repeats print intervals, so a fallback computes the
+  quantile here (regularized incomplete beta, inverted by bisection); the tests check the two
+  against each other.
 - **Ratio interval: Fieller's theorem on paired repeats.** Repeats are interleaved (A B B A),
   so A_i and B_i share the machine's state of that moment and are a pair. For the ratio of means
   R = mean(B) / mean(A), the interval is every R for which the paired differences
@@ -22,6 +24,7 @@ Pure and torch-free (bottom layer). Choices, and why:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,12 +74,33 @@ def t_cdf(t: float, df: float) -> float:
     return 1.0 - tail if t >= 0 else tail
 
 
+@functools.cache
+def _scipy_t() -> Any | None:
+    """scipy's Student t distribution, or None without scipy (imported on first use: it is
+    heavy, and most commands never print an interval)."""
+    try:
+        from scipy.stats import t
+    except ImportError:
+        return None
+    return t
+
+
 def t_ppf(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t (bisection on :func:`t_cdf`, to ~1e-12)."""
+    """The ``p`` quantile of Student's t: scipy's where it is installed, else
+    :func:`t_ppf_fallback`."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"quantile needs 0 < p < 1, got {p}")
+    t = _scipy_t()
+    return t_ppf_fallback(p, df) if t is None else float(t.ppf(p, df))
+
+
+def t_ppf_fallback(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t without scipy (bisection on :func:`t_cdf`, to
+    ~1e-12)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"quantile needs 0 < p < 1, got {p}")
     if p < 0.5:
-        return -t_ppf(1.0 - p, df)
+        return -t_ppf_fallback(1.0 - p, df)
     lo, hi = 0.0, 1.0
     while t_cdf(hi, df) < p:
         hi *= 2.0
@@ -120,14 +144,6 @@ def mean_ci(xs: Sequence[float], level: float = LEVEL) -> tuple[float, tuple[flo
         return m, None
     hw = t_critical(len(xs), level) * math.sqrt(var / len(xs))
     return m, (m - hw, m + hw)
-
-
-def diff_ci(a: Sequence[float], b: Sequence[float], level: float = LEVEL,
-            ) -> tuple[float, tuple[float, float] | None]:
-    """Paired difference mean(B - A) and its t interval (A_i, B_i from the same repeat)."""
-    if len(a) != len(b):
-        raise ValueError(f"paired repeats need as many A as B values ({len(a)} vs {len(b)})")
-    return mean_ci([y - x for x, y in zip(a, b, strict=True)], level)
 
 
 def ratio_ci(a: Sequence[float], b: Sequence[float], level: float = LEVEL,

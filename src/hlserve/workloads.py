@@ -9,8 +9,8 @@
   ``output_length``, ``hash_ids`` over 512-token blocks). Each hash id maps to a fixed block of
   token ids, so two requests share exactly the prefix the trace says they share; a request
   whose hash ids begin with all of an earlier request's full-block ids continues that
-  request's session (``parent``). Replayed open loop by timestamps or closed loop along the
-  chains (``hlserve.sim.drive``).
+  request's session (``parent``). Replayed open loop by timestamps (``hlserve.sim.drive``),
+  or closed loop along the chains as sessions (:func:`trace_sessions`).
 - :class:`PoissonChat`: open-loop chat traffic, Poisson arrivals, the contrast case.
 - :class:`ScaledTrace` and what ``hlserve bench`` builds from it: a trace's lengths scaled
   down for small machines (with ``length_scale`` s a 512-token block becomes round(512·s)

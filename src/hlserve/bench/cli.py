@@ -255,8 +255,8 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         else "hlserve sweep ...", title=args.title, repeats=args.repeats, ray=args.ray,
     )
     summary = run_sweep(sw)
-    bad = [p["label"] for p in summary["points"] if not p["result"].get("completed")
-           or p["result"].get("failed") or p["result"].get("repeat_errors")]
+    bad = [p["label"] for p in summary["points"] if not p["metrics"].get("completed")
+           or p["metrics"].get("failed") or p["metrics"].get("repeat_errors")]
     print(f"\nwrote {args.out}/frontier.png, {args.out}/tax.md, {args.out}/sweep.json")
     if bad:
         print(f"hlserve sweep: points with failures: {', '.join(bad)}", file=sys.stderr)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hlserve.driver.points import human_tax
 from hlserve.driver.repeats import RepeatPlan, Run, run_repeats
 from hlserve.stats import ci_table, ratio_verdict
 
@@ -39,7 +40,7 @@ class DemoSpec:
 
 def _real_run(spec: DemoSpec, common: dict[str, Any], options: dict[str, Any],
               seed: int) -> dict[str, Any]:
-    from hlserve.bench.driver import run_agent_sessions
+    from hlserve.driver.closed_loop import run_agent_sessions
     from hlserve.llm import build_engine
     from hlserve.workloads import AgentWorkload
 
@@ -108,7 +109,7 @@ def local_verdict(res: dict[str, Any]) -> str:
 
 
 def _sim_run(spec: DemoSpec, point: Any, seed: int) -> dict[str, Any]:
-    from hlserve.sim.study import StudySpec, run_point
+    from hlserve.sim.study.core import StudySpec, run_point
 
     study = StudySpec(duration=spec.sim_duration, warmup=spec.sim_warmup, seed=seed)
     return run_point(study, point)["metrics"]
@@ -117,7 +118,7 @@ def _sim_run(spec: DemoSpec, point: Any, seed: int) -> dict[str, Any]:
 def run_sim(spec: DemoSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Throughput mode at 32K context on 8×H20 / Qwen2.5-32B, at each concurrency, over
     ``sim_repeats`` seeds; the tax at the production SLOs (TTFT p99 ≤ 2 s, TPOT p99 ≤ 100 ms)."""
-    from hlserve.sim.study import PRODUCTION_SLO, Point
+    from hlserve.sim.study.core import PRODUCTION_SLO, Point
 
     configs = {f"{n} sessions": Point("hlserve", None, 32768, n) for n in spec.sim_sessions}
     plan = RepeatPlan(repeats=spec.sim_repeats, base_seed=spec.seed, warmup=0)  # virtual clock
@@ -134,20 +135,17 @@ def run_sim(spec: DemoSpec, log: Callable[[str], None] = print) -> dict[str, Any
 
 def sim_tax(configs: dict[str, dict[str, Any]], slo: tuple[float, float],
             metric: str = "window_token_throughput") -> dict[str, Any]:
-    """1 − best meeting the SLO / best of all (chosen on the means), with the paired interval."""
-    def meets(s: dict[str, Any]) -> bool:
-        return s.get("p99_ttft_ms", 1e18) <= slo[0] and s.get("p99_tpot_ms", 1e18) <= slo[1]
-
-    ok = {k: s for k, s in configs.items() if s.get("repeats")}
-    top = max(ok, key=lambda k: ok[k][metric], default=None)
-    best = max((k for k in ok if meets(ok[k])), key=lambda k: ok[k][metric], default=None)
-    out: dict[str, Any] = {"slo": slo, "best": best, "top": top, "tax": None, "ci95": None}
-    if top is None or best is None:
-        out["tax"] = 1.0 if top else None
+    """1 − best meeting the SLO / best of all (chosen on the means, by the one SLO check and
+    tax of :mod:`hlserve.driver.points`), with the paired interval."""
+    points = [{"label": k, "metrics": s} for k, s in configs.items() if s.get("repeats")]
+    tax, met, top = human_tax(points, *slo, metric)
+    best = None if met is None else met["label"]
+    out: dict[str, Any] = {"slo": slo, "best": best, "top": None if top is None else top["label"],
+                           "tax": tax, "ci95": None}
+    if met is None or top is None:
         return out
-    a = ok[top]["repeat_values"][metric]
-    b = ok[best]["repeat_values"][metric]
-    v = ratio_verdict(a, b)
+    v = ratio_verdict(top["metrics"]["repeat_values"][metric],
+                      met["metrics"]["repeat_values"][metric])
     out["tax"] = 1 - v.ratio
     out["ci95"] = None if v.ci is None else [1 - v.ci[1], 1 - v.ci[0]]
     out["within_noise"] = v.within_noise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -31,45 +32,26 @@ def _stem(path: str | Path) -> str:
 # ---- hlserve sweep ------------------------------------------------------------------------------
 
 
-def _sweep_run(sw: Any, base: dict[str, Any], env: dict[str, str] | None, point: Any,
+def _sweep_run(sw: Any, run: Callable[[Any, BenchSpec], dict[str, Any]], point: Any,
                seed: int) -> dict[str, Any]:
     """One repeat of one point (module-level, so that it pickles into a Ray task)."""
-    from hlserve.bench.sweep import run_inprocess_point, run_server_point, slug
-
-    path = sw.out_dir / "points" / f"{slug(point.label)}.seed{seed}.json"
+    path = sw.point_file(point.label, f".seed{seed}.json")
     spec = replace(sw.bench, label=point.label, result_file=str(path), seed=seed,
                    progress=sw.bench.progress and sw.ray is None)
     t = time.perf_counter()
-    if sw.server_cmd is not None:
-        res = run_server_point(sw.server_cmd, sw.model, point, spec, sw.out_dir,
-                               sw.health_timeout, env)
-    else:
-        res = run_inprocess_point(sw.model, base, point, spec, sw.sim, sw.tp)
+    res = run(point, spec)
     res["wall_s"] = time.perf_counter() - t
     res["seed"] = seed
     return res
 
 
-def _executor(sw: Any, base: dict[str, Any]) -> Any:
-    if sw.ray is None:
-        return None
-    from hlserve.driver.cluster import SIMULATED, ray_executor, real_engine_resources
-
-    if sw.server_cmd is not None:
-        raise ValueError("--ray runs in-process points (real or --sim), not --server-cmd")
-    res = SIMULATED if sw.sim else real_engine_resources(sw.threads, base.get("device"))
-    return ray_executor(sw.ray, res, progress=sw.bench.progress)
-
-
 def _log_run(sw: Any, log: Any, r: Run[Any], res: dict[str, Any] | BaseException) -> None:
-    from hlserve.bench.sweep import slug
-
     tag = "warm-up, excluded" if r.warmup else f"repeat {r.repeat + 1}/{sw.repeats}"
     if isinstance(res, BaseException):
         log(f"    point {r.name} ({tag}, seed {r.seed}) failed: {type(res).__name__}: {res}")
         return
     if sw.server_cmd is None and not r.warmup:  # a server point's run_bench wrote its own
-        path = sw.out_dir / "points" / f"{slug(r.name)}.seed{r.seed}.json"
+        path = sw.point_file(r.name, f".seed{r.seed}.json")
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     if res.get("completed"):
         log(f"    {r.name} ({tag}, seed {r.seed}): {res[THROUGHPUT]:.0f} tok/s total; p99 TTFT "
@@ -77,13 +59,13 @@ def _log_run(sw: Any, log: Any, r: Run[Any], res: dict[str, Any] | BaseException
             f"{res['wall_s']:.0f}s")
 
 
-def run_points_repeated(sw: Any, base: dict[str, Any], env: dict[str, str] | None,
-                        log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every point of the sweep ``sw.repeats`` times (interleaved, locally or on Ray); returns
-    the sweep's point list (each result the repeats' summary, with ``*_ci95``) and the ratio
-    of every point's throughput to the best point's."""
-    from hlserve.bench.sweep import slug
-
+def run_points_repeated(sw: Any, run: Callable[[Any, BenchSpec], dict[str, Any]],
+                        execute: Any = None, log: Any = print,
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every point of the sweep ``sw`` (a ``SweepSpec``) ``sw.repeats`` times, interleaved,
+    each run by ``run(point, spec)`` (``execute``: Ray's executor, None for local runs);
+    returns the sweep's point list (each point's metrics the repeats' summary, with
+    ``*_ci95``) and the ratio of every point's throughput to the best point's."""
     plan = RepeatPlan(repeats=sw.repeats, base_seed=sw.bench.seed,
                       warmup=0 if sw.sim or sw.ray is not None else 1)
     configs = {p.label: p for p in sw.points}
@@ -94,8 +76,8 @@ def run_points_repeated(sw: Any, base: dict[str, Any], env: dict[str, str] | Non
         if not r.warmup and not isinstance(res, BaseException):
             per_repeat[r.name][r.repeat] = res
 
-    out = run_repeats(configs, partial(_sweep_run, sw, base, env), plan, ratio_metrics=(),
-                      execute=_executor(sw, base), on_run=on_run)
+    out = run_repeats(configs, partial(_sweep_run, sw, run), plan, ratio_metrics=(),
+                      execute=execute, on_run=on_run)
     results = []
     for p in sw.points:
         res = out["configs"][p.label]
@@ -105,11 +87,10 @@ def run_points_repeated(sw: Any, base: dict[str, Any], env: dict[str, str] | Non
                    "repeats": 0}
         elif errs:
             res["repeat_errors"] = errs
-        (sw.out_dir / "points" / f"{slug(p.label)}.json").write_text(
-            json.dumps(res, indent=2, default=str) + "\n")
-        results.append({"label": p.label, "knobs": p.knobs, "args": p.args, "result": res})
-    ok = [p for p in results if p["result"].get("completed")]
-    top = max(ok, key=lambda p: p["result"][THROUGHPUT], default=None)
+        sw.point_file(p.label).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        results.append({"label": p.label, "knobs": p.knobs, "args": p.args, "metrics": res})
+    ok = [p for p in results if p["metrics"].get("completed")]
+    top = max(ok, key=lambda p: p["metrics"][THROUGHPUT], default=None)
     rat = ratios(per_repeat, top["label"], (THROUGHPUT,)) if top else {}
     return results, {"plan": out["plan"], "order": out["order"], "ratios_to_best": rat}
 
@@ -117,7 +98,7 @@ def run_points_repeated(sw: Any, base: dict[str, Any], env: dict[str, str] | Non
 def add_tax_intervals(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> None:
     """The human tax's interval, per row: 1 - the paired ratio interval of the best point
     meeting the target to the best point of all (the two chosen on their means)."""
-    vals = {p["label"]: p["result"] for p in points}
+    vals = {p["label"]: p["metrics"] for p in points}
     for row in rows:
         b, u = row.get("best_config"), row.get("unconstrained_config")
         row["human_tax_ci95"] = None

@@ -2,8 +2,9 @@
 
 Frontier: for an SLO target (p99 TTFT ≤ x, p99 TPOT ≤ y), the best throughput among the
 configurations that meet it. Human tax at that target = 1 − best_constrained /
-best_unconstrained, best_unconstrained being the best throughput of any configuration
-(DESIGN.md, "Frontier and tax").
+best_unconstrained, best_unconstrained being the best throughput of any configuration. A
+sweep's points are in the one point format, checked against a target by the one SLO check
+(:mod:`hlserve.driver.points`, where what a missing value means is said).
 """
 
 from __future__ import annotations
@@ -13,29 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hlserve.driver.records import human_tax
+from hlserve.driver.points import human_tax, served, value
 from hlserve.stats import fmt_ci
 
 THROUGHPUT = "total_token_throughput"
-
-
-def _num(v: Any) -> float:
-    return float("nan") if v is None else float(v)
-
-
-def meets(point: dict[str, Any], ttft_ms: float | None, tpot_ms: float | None) -> bool:
-    r = point["result"]
-    if r.get("completed", 0) == 0 or r.get("failed", 0) > 0:
-        return False
-    if ttft_ms is not None and not _num(r.get("p99_ttft_ms")) <= ttft_ms:
-        return False
-    return tpot_ms is None or _num(r.get("p99_tpot_ms")) <= tpot_ms
-
-
-def best(points: Sequence[dict[str, Any]], ttft_ms: float | None = None,
-         tpot_ms: float | None = None, metric: str = THROUGHPUT) -> dict[str, Any] | None:
-    ok = [p for p in points if meets(p, ttft_ms, tpot_ms)]
-    return max(ok, key=lambda p: _num(p["result"].get(metric)), default=None)
 
 
 def default_targets(points: Sequence[dict[str, Any]]) -> list[tuple[float | None, float | None]]:
@@ -43,7 +25,7 @@ def default_targets(points: Sequence[dict[str, Any]]) -> list[tuple[float | None
     tight as this configuration's"), from tightest TTFT to loosest, then no target."""
     targets = []
     for p in points:
-        r = p["result"]
+        r = p["metrics"]
         if r.get("completed") and r.get("p99_ttft_ms") is not None:
             # rounded up, so that a configuration meets its own target
             targets.append((float(math.ceil(r["p99_ttft_ms"])), None if r.get("p99_tpot_ms")
@@ -56,23 +38,17 @@ def tax_rows(points: Sequence[dict[str, Any]],
              targets: Sequence[tuple[float | None, float | None]] | None = None,
              metric: str = THROUGHPUT) -> list[dict[str, Any]]:
     """One row per SLO target: its best configuration and the human tax, by the one tax
-    function (:func:`hlserve.driver.records.human_tax`) over the points that completed with
-    no failure."""
-    valid = [p for p in points if meets(p, None, None)]
-
-    def value(p: dict[str, Any]) -> float:
-        return _num(p["result"].get(metric))
-
+    function (:func:`hlserve.driver.points.human_tax`: over the points that completed with no
+    failure; NaN where no point has a throughput)."""
     rows = []
     for ttft, tpot in targets if targets is not None else default_targets(points):
-        tax, b, top = human_tax(valid, value, lambda p, x=ttft, y=tpot: meets(p, x, y))
+        tax, b, top = human_tax(points, ttft, tpot, metric)
         rows.append({"slo_p99_ttft_ms": ttft, "slo_p99_tpot_ms": tpot,
                      "best_config": b["label"] if b else None,
-                     "throughput": value(b) if b else float("nan"),
-                     "unconstrained": value(top) if top else float("nan"),
+                     "throughput": value(b, metric) if b else math.nan,
+                     "unconstrained": value(top, metric) if top else math.nan,
                      "unconstrained_config": top["label"] if top else None,
-                     # no positive best throughput at all: nothing can meet it, all is tax
-                     "human_tax": tax if tax is not None else (1.0 if top else None)})
+                     "human_tax": tax})
     return rows
 
 
@@ -86,7 +62,7 @@ def tax_table(rows: Sequence[dict[str, Any]], metric: str = THROUGHPUT) -> str:
            "human tax |", "|---:|---:|---|---:|---:|"]
     for r in rows:
         thr = "—" if math.isnan(r["throughput"]) else f"{r['throughput']:,.0f}"
-        tax = "—" if r["human_tax"] is None else f"{100 * r['human_tax']:.0f}%"
+        tax = "—" if math.isnan(r["human_tax"]) else f"{100 * r['human_tax']:.0f}%"
         if r.get("human_tax_ci95"):  # repeated: the paired interval, and whether it shows a tax
             lo, hi = r["human_tax_ci95"]
             tax += f" [{100 * lo:.0f}%, {100 * hi:.0f}%]"
@@ -108,7 +84,7 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
         return "—" if v is None else fmt.format(v)
 
     for p in points:
-        r, knobs = p["result"], p.get("knobs", {})
+        r, knobs = p["metrics"], p.get("knobs", {})
         cached = r.get("total_cached_tokens")
         share = (f"{100 * cached / r['total_input_tokens']:.0f}%"
                  if cached is not None and r.get("total_input_tokens") else "—")
@@ -122,9 +98,9 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _err(result: dict[str, Any], key: str) -> list[list[float]] | None:
+def _err(point: dict[str, Any], key: str) -> list[list[float]] | None:
     """The asymmetric error bar [[below], [above]] of ``key`` from its 95% interval."""
-    v, ci = _num(result.get(key)), result.get(f"{key}_ci95")
+    v, ci = value(point, key), point["metrics"].get(f"{key}_ci95")
     if math.isnan(v) or not ci or any(c is None for c in ci):
         return None
     return [[max(0.0, v - float(ci[0]))], [max(0.0, float(ci[1]) - v)]]
@@ -135,27 +111,27 @@ def frontier_plot(points: Sequence[dict[str, Any]], path: str | Path, title: str
     """Two panels: throughput against p99 TTFT and against p99 TPOT, one marker per
     configuration, and the frontier (best throughput with the latency at most x) as a step
     line, with the human tax written at each point on it. Repeated points (``<metric>_ci95``
-    in their result) carry their 95% intervals as error bars on both axes."""
+    in their metrics) carry their 95% intervals as error bars on both axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    ok = [p for p in points if p["result"].get("completed") and not p["result"].get("failed")]
+    ok = [p for p in points if served(p)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), constrained_layout=True)
     colors = {p["label"]: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(points)}
-    top = best(ok, metric=metric)
-    top_v = _num(top["result"].get(metric)) if top else float("nan")
+    top = human_tax(ok, None, None, metric)[2]
+    top_v = value(top, metric) if top else math.nan
     for ax, key, name in ((axes[0], "p99_ttft_ms", "p99 TTFT (ms)"),
                           (axes[1], "p99_tpot_ms", "p99 TPOT (ms)")):
-        pts = sorted(((_num(p["result"].get(key)), _num(p["result"].get(metric)), p["label"])
-                      for p in ok), key=lambda t: t[0])
+        pts = sorted(((value(p, key), value(p, metric), p["label"]) for p in ok),
+                     key=lambda t: t[0])
         pts = [t for t in pts if not math.isnan(t[0])]
-        results = {p["label"]: p["result"] for p in ok}
+        by_label = {p["label"]: p for p in ok}
         for x, y, label in pts:
             ax.scatter([x], [y], s=45, zorder=3, color=colors[label], label=label)
-            xerr, yerr = (_err(results[label], k) for k in (key, metric))
+            xerr, yerr = (_err(by_label[label], k) for k in (key, metric))
             if xerr is not None or yerr is not None:
                 ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="none", ecolor=colors[label],
                             elinewidth=1, capsize=3, alpha=0.8, zorder=2)
@@ -188,7 +164,7 @@ def frontier_plot(points: Sequence[dict[str, Any]], path: str | Path, title: str
                 matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.set_xlabel(f"SLO target: {name}" + (", log scale" if log else ""))
         ax.set_ylabel(f"{metric.replace('_', ' ')} (tok/s)")
-        highs = [y + (_err(results[label], metric) or [[0.0], [0.0]])[1][0]
+        highs = [y + (_err(by_label[label], metric) or [[0.0], [0.0]])[1][0]
                  for _, y, label in pts]
         ax.set_ylim(bottom=0, top=1.1 * max(highs, default=1.0))
         ax.grid(True, which="both", alpha=0.3)

@@ -28,12 +28,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
-
-from tqdm import tqdm
+from typing import Any
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
-from hlserve.driver.records import SLO, RequestRecord, summarize
+from hlserve.driver.records import SLO, Recorder, RequestRecord, summarize
 from hlserve.workloads import (
     AgentWorkload,
     Dist,
@@ -96,52 +94,13 @@ class BenchSpec:
     label: str | None = None
 
 
-class Recorder:
-    """Collects records, writes the JSONL as they come, drives the progress bar (HTTP runs
-    and the in-process sweep alike)."""
-
-    def __init__(self, spec: BenchSpec, total: int) -> None:
-        self.records: list[RequestRecord] = []
-        self.session_times: list[float] = []
-        self.sessions_failed = 0
-        self.out_tokens = 0
-        self.failed = 0
-        self.t0 = time.perf_counter()
-        self.record_ids = spec.record_ids
-        self.file: IO[str] | None = None
-        path = spec.request_file
-        if path is None and spec.result_file:
-            path = str(Path(spec.result_file).with_suffix("")) + ".requests.jsonl"
-        self.path = path
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "w")  # noqa: SIM115
-        self.bar = tqdm(total=total, unit="req", desc=spec.label or spec.workload,
-                        disable=not spec.progress, dynamic_ncols=True)
-
-    def add(self, rec: RequestRecord, prompt: list[int] | None = None,
-            output: list[int] | None = None) -> None:
-        self.records.append(rec)
-        if rec.success:
-            self.out_tokens += rec.output_tokens
-        else:
-            self.failed += 1
-        if self.file is not None:
-            row = rec.to_json()
-            if self.record_ids:
-                row["prompt_ids"] = prompt
-                row["output_ids"] = output
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-        elapsed = max(1e-9, time.perf_counter() - self.t0)
-        self.bar.set_postfix(failed=self.failed, out_tok_s=f"{self.out_tokens / elapsed:.0f}",
-                             refresh=False)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.file is not None:
-            self.file.close()
+def recorder(spec: BenchSpec, total: int) -> Recorder:
+    """The run's :class:`~hlserve.driver.records.Recorder`: requests to ``--request-file``, or
+    beside the result file (``<result>.requests.jsonl``)."""
+    path = spec.request_file
+    if path is None and spec.result_file:
+        path = str(Path(spec.result_file).with_suffix("")) + ".requests.jsonl"
+    return Recorder(total, path, spec.label or spec.workload, spec.progress, spec.record_ids)
 
 
 async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec: Recorder) -> None:
@@ -228,7 +187,7 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
             sessions, extra = agent_sessions(spec, info)
             total = sum(len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
                         for s in sessions)
-            rec = Recorder(spec, total)
+            rec = recorder(spec, total)
             try:
                 await _agent(client, sessions, spec, rec)
             finally:
@@ -255,7 +214,7 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
                          "length_scale": spec.length_scale, "trace_skipped_too_long": skipped}
                 span = requests[-1].send_at - requests[0].send_at if requests else 0.0
                 rate = len(requests) / span if span > 0 else math.inf
-            rec = Recorder(spec, len(requests))
+            rec = recorder(spec, len(requests))
             try:
                 await _open_loop(client, requests, spec, rec)
             finally:

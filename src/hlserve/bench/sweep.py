@@ -28,13 +28,16 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from hlserve.bench import report
 from hlserve.bench.client import ServerInfo
-from hlserve.bench.serve_bench import BenchSpec, Recorder, agent_sessions, run_bench
+from hlserve.bench.repeated import add_tax_intervals, run_points_repeated
+from hlserve.bench.serve_bench import BenchSpec, agent_sessions, recorder, run_bench
 from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.records import summarize
@@ -111,7 +114,7 @@ def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[
     every session run to its end. Times on the engine's clock (wall or virtual, named in the
     result's ``clock``), from when the engine took a request to when it finished it; one
     token per chunk, so ITL is the gap between tokens."""
-    rec = Recorder(spec, sum(session_rounds(s) for s in sessions))
+    rec = recorder(spec, sum(session_rounds(s) for s in sessions))
     try:
         res = run_closed_loop(engine, sessions.__getitem__, len(sessions),
                               Loop(token_times=True), on_record=rec.add)
@@ -210,10 +213,25 @@ class SweepSpec:
     repeats: int = 1  # interleaved repeats per point, seeds bench.seed + i (bench/repeated.py)
     ray: str | None = None  # run the points as Ray tasks: "local" or a cluster's address
 
+    def point_file(self, label: str, suffix: str = ".json") -> Path:
+        """Where a point's file goes: ``points/<label><suffix>``, the label made a file name
+        (its result, requests and server log are named by it)."""
+        return self.out_dir / "points" / f"{slug(label)}{suffix}"
+
 
 def slug(label: str) -> str:
-    """A point's label as a file name (its result, requests and server log are named by it)."""
+    """A point's label as a file name."""
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
+
+
+def run_one(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None, point: Point,
+            spec: BenchSpec) -> dict[str, Any]:
+    """One run of one point, on its own server (``--server-cmd``) or in this process
+    (module-level, so that a partial of it pickles into a Ray task)."""
+    if sw.server_cmd is not None:
+        return run_server_point(sw.server_cmd, sw.model, point, spec, sw.out_dir,
+                                sw.health_timeout, env)
+    return run_inprocess_point(sw.model, base, point, spec, sw.sim, sw.tp)
 
 
 def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
@@ -226,16 +244,13 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
         if sw.server_cmd is None:
             base.setdefault("cpu_threads", sw.threads)
     extra: dict[str, Any] = {}
+    run = partial(run_one, sw, base, env)
     if sw.repeats > 1 or sw.ray is not None:  # repeats with intervals, or Ray tasks
-        from hlserve.bench.repeated import run_points_repeated
-
-        results, extra = run_points_repeated(sw, base, env, log)
+        results, extra = run_points_repeated(sw, run, _executor(sw, base), log)
     else:
-        results = _run_points(sw, base, env, log)
+        results = _run_points(sw, run, log)
     rows = report.tax_rows(results, sw.targets)
     if extra:
-        from hlserve.bench.repeated import add_tax_intervals
-
         add_tax_intervals(rows, results)
     png = report.frontier_plot(results, out / "frontier.png", sw.title)
     table = report.points_table(results)
@@ -254,29 +269,37 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
     return summary
 
 
-def _run_points(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None,
+def _executor(sw: SweepSpec, base: dict[str, Any]) -> Any:
+    """Ray's executor for ``--ray``, None for local runs."""
+    if sw.ray is None:
+        return None
+    from hlserve.driver.cluster import SIMULATED, ray_executor, real_engine_resources
+
+    if sw.server_cmd is not None:
+        raise ValueError("--ray runs in-process points (real or --sim), not --server-cmd")
+    res = SIMULATED if sw.sim else real_engine_resources(sw.threads, base.get("device"))
+    return ray_executor(sw.ray, res, progress=sw.bench.progress)
+
+
+def _run_points(sw: SweepSpec, run: Callable[[Point, BenchSpec], dict[str, Any]],
                 log: Any) -> list[dict[str, Any]]:
     """Every point once, one after the other."""
-    out = sw.out_dir
     results: list[dict[str, Any]] = []
     for i, point in enumerate(sw.points):
         log(f"[{i + 1}/{len(sw.points)}] {point.label} {point.knobs} {shlex.join(point.args)}")
-        path = out / "points" / f"{slug(point.label)}.json"
+        path = sw.point_file(point.label)
         spec = replace(sw.bench, label=point.label, result_file=str(path))
         t = time.perf_counter()
         try:
-            if sw.server_cmd is not None:
-                res = run_server_point(sw.server_cmd, sw.model, point, spec, out,
-                                       sw.health_timeout, env)
-            else:
-                res = run_inprocess_point(sw.model, base, point, spec, sw.sim, sw.tp)
+            res = run(point, spec)
+            if sw.server_cmd is None:  # a server point's run_bench wrote its own
                 path.write_text(json.dumps(res, indent=2) + "\n")
         except Exception as e:  # one broken point is reported, the sweep goes on
             log(f"    point {point.label} failed: {type(e).__name__}: {e}")
             res = {"completed": 0, "failed": None, "error": f"{type(e).__name__}: {e}"}
         res["wall_s"] = time.perf_counter() - t
         results.append({"label": point.label, "knobs": point.knobs, "args": point.args,
-                        "result": res})
+                        "metrics": res})
         if res.get("completed"):
             log(f"    {res['total_token_throughput']:.0f} tok/s total, "
                 f"{res['output_throughput']:.1f} out; p99 TTFT {res['p99_ttft_ms']:.0f} ms, "

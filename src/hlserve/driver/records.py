@@ -1,5 +1,6 @@
-"""One request record, one summary and one human-tax function, for every driver: the HTTP
-benchmark, the in-process closed loop (demo, sweep, calibration) and the simulated study.
+"""One request record and one summary, for every driver: the HTTP benchmark, the in-process
+closed loop (demo, sweep, calibration) and the simulated study (the human tax over such
+summaries: :mod:`hlserve.driver.points`).
 
 Key names follow vLLM's ``bench serve`` result JSON where vLLM has the quantity, so results
 from ``hlserve bench`` and ``vllm bench serve`` can be read by the same scripts; session keys
@@ -49,13 +50,17 @@ count in ``failed`` and never in any throughput or latency; ``errors`` lists the
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
+from tqdm import tqdm
 
 FORMULAS = {
     "ttft": "first content chunk received - request sent",
@@ -74,7 +79,6 @@ FORMULAS = {
     "percentiles": "linear interpolation (numpy default), as vLLM",
 }
 
-P = TypeVar("P")
 STATS = ("mean", "median", "std", "p90", "p99")
 
 
@@ -154,6 +158,54 @@ class SLO:
         if self.tpot_ms is not None and tpot is not None and 1e3 * tpot > self.tpot_ms:
             return False
         return not (self.e2el_ms is not None and 1e3 * r.e2el > self.e2el_ms)
+
+
+class Recorder:
+    """Collects a run's records as they come, writes each to the per-request JSONL file
+    ``path`` at once (a run cut short keeps what it did), and drives the progress bar: the
+    HTTP benchmark and the in-process sweep alike. ``record_ids`` puts the prompt and output
+    token ids in the JSONL."""
+
+    def __init__(self, total: int, path: str | None = None, desc: str = "requests",
+                 progress: bool = True, record_ids: bool = False) -> None:
+        self.records: list[RequestRecord] = []
+        self.session_times: list[float] = []
+        self.sessions_failed = 0
+        self.out_tokens = 0
+        self.failed = 0
+        self.t0 = time.perf_counter()
+        self.record_ids = record_ids
+        self.file: IO[str] | None = None
+        self.path = path
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w")  # noqa: SIM115
+        self.bar = tqdm(total=total, unit="req", desc=desc, disable=not progress,
+                        dynamic_ncols=True)
+
+    def add(self, rec: RequestRecord, prompt: list[int] | None = None,
+            output: list[int] | None = None) -> None:
+        self.records.append(rec)
+        if rec.success:
+            self.out_tokens += rec.output_tokens
+        else:
+            self.failed += 1
+        if self.file is not None:
+            row = rec.to_json()
+            if self.record_ids:
+                row["prompt_ids"] = prompt
+                row["output_ids"] = output
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        elapsed = max(1e-9, time.perf_counter() - self.t0)
+        self.bar.set_postfix(failed=self.failed, out_tok_s=f"{self.out_tokens / elapsed:.0f}",
+                             refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def stat(values: Sequence[float], how: str) -> float | None:
@@ -256,6 +308,12 @@ BRIEF_KEYS = {"duration": "duration", "completed": "completed",
               "p99_session_time_s": "p99_session_time_s"}
 
 
+def brief(full: dict[str, Any]) -> dict[str, Any]:
+    """The ``BRIEF_KEYS`` of a :func:`summarize` result, NaN (not None) where a statistic has
+    no values."""
+    return {k: math.nan if full[src] is None else full[src] for k, src in BRIEF_KEYS.items()}
+
+
 @dataclass
 class RunResult:
     """A closed-loop or open-loop run on an in-process engine: its records (times from the
@@ -267,20 +325,4 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         """The main keys of :func:`summarize` (NaN, not None, where there are no values)."""
-        full = summarize(self.records, self.duration, session_times=self.session_times)
-        return {k: math.nan if full[src] is None else full[src] for k, src in BRIEF_KEYS.items()}
-
-
-# ---- the human tax ---------------------------------------------------------------------------
-
-
-def human_tax(points: Sequence[P], value: Callable[[P], float], meets: Callable[[P], bool],
-              ) -> tuple[float | None, P | None, P | None]:
-    """(tax, best point meeting the target, best point of all) by ``value`` (a throughput):
-    tax = 1 − best meeting / best of all (DESIGN.md, "Frontier and tax"), 1 when nothing
-    meets the target, None when no point has a positive throughput."""
-    top = max(points, key=value, default=None)
-    best = max((p for p in points if meets(p)), key=value, default=None)
-    if top is None or not value(top) > 0:
-        return None, best, top
-    return 1.0 - (value(best) if best is not None else 0.0) / value(top), best, top
+        return brief(summarize(self.records, self.duration, session_times=self.session_times))

@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from hlserve.config import EngineConfig
 from hlserve.engine import factory
 from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine, VirtualClock
@@ -31,11 +30,6 @@ def device_info(hw: Hardware) -> DeviceInfo:
     if hw.arch == "cpu" or hw.mem_gib <= 0:
         return DeviceInfo("cpu")
     return DeviceInfo("cuda", float(hw.mem_gib), hopper_class=hw.arch == "hopper")
-
-
-def sim_config(model: str, hardware: str | Hardware, **engine_options: Any) -> EngineConfig:
-    """The config an engine on ``hardware`` would get (presets keyed on the simulated device)."""
-    return make_config(model, device_info=device_info(get_hardware(hardware)), **engine_options)
 
 
 def build_sim_engine(model: str, hardware: str | Hardware = "H20", tp: int = 1,

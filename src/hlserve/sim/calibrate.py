@@ -468,7 +468,8 @@ def fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None = None
 def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
               engine_options: dict[str, Any] | None, device: str) -> dict[str, Any]:
     from hlserve.driver.closed_loop import run_agent_sessions
-    from hlserve.engine.engine import Engine, VirtualClock
+    from hlserve.engine.engine import VirtualClock
+    from hlserve.engine.factory import build_engine
     from hlserve.sim.runner import SimRunner
 
     workload = workload or AgentWorkload(**FIDELITY_WORKLOAD)
@@ -480,8 +481,6 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
     wall = now() - t
     drift = (drift_before * machine_drift(model_dir, hw, device)) ** 0.5
     steps = rec.finish()
-    num_pages = engine.kv_num_pages
-    config = engine.config.replace(num_pages=num_pages)
     cm = CostModel(engine.runner.model_config, hw)
     pred_step = np.array([cm.iteration(s.shape)[0] for s in steps])
     # the forward alone: the predicted step less the host time the profile adds to it
@@ -489,9 +488,11 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
                                      for s in steps])
     fwd = np.array([s.elapsed for s in steps])
     period = np.array([s.period for s in steps])
-    # the same workload in simulation: same config, same pool, virtual clock
-    sim_runner = SimRunner(config, hw, 1, model=str(model_dir))
-    sim_engine = Engine(config, sim_runner, tokenizer=None, clock=VirtualClock())
+    # the same workload in simulation: the same options and pool, the one engine factory, the
+    # virtual clock
+    sim_engine = build_engine(engine.config.replace(num_pages=engine.kv_num_pages),
+                              lambda c: SimRunner(c, hw, 1, model=str(model_dir)),
+                              clock=VirtualClock())
     sim = run_agent_sessions(sim_engine, workload, progress=False)
     rs, ss = real.summary(), sim.summary()
     per_step_err = np.abs(pred_step / period - 1)

@@ -153,7 +153,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def add_study_args(p: argparse.ArgumentParser) -> None:
-    from hlserve.sim.study import DEFAULT_SYSTEMS
+    from hlserve.sim.study.core import DEFAULT_SYSTEMS
 
     p.add_argument("--hardware", default="H20")
     p.add_argument("--tp", type=int, default=8)
@@ -184,7 +184,9 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_study(args: argparse.Namespace) -> None:
-    from hlserve.sim.study import StudySpec, report, run_study
+    from hlserve.sim.study.core import StudySpec
+    from hlserve.sim.study.report import report
+    from hlserve.sim.study.runs import run_study
 
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     spec = StudySpec(

@@ -1,6 +1,7 @@
 """Drivers for simulated and real runs alike: steady-state closed-loop agents (the one closed
-loop of :mod:`hlserve.driver.closed_loop`, with finished sessions replaced), open-loop
-arrivals (Poisson chat, trace timestamps), closed-loop trace chains.
+loop of :mod:`hlserve.driver.closed_loop`, with finished sessions replaced) and open-loop
+arrivals (Poisson chat, trace timestamps). A trace's chains run closed loop on that one
+driver too, as sessions (:func:`hlserve.workloads.trace_sessions`).
 
 They work with either clock. With a virtual clock (``clock.advance``) an idle engine jumps to
 the next arrival; with the wall clock it sleeps until then. Results are ``RunResult``s
@@ -24,9 +25,7 @@ from hlserve.driver.closed_loop import (
 )
 from hlserve.driver.records import RequestRecord, RunResult
 from hlserve.engine.engine import Engine
-from hlserve.workloads import AgentWorkload, Arrival, MooncakeTrace
-
-SteadyResult = LoopResult  # the name the study and benchmarks know
+from hlserve.workloads import AgentWorkload, Arrival
 
 
 def _done(records: list[RequestRecord], session_times: list[float]) -> RunResult:
@@ -82,77 +81,3 @@ def run_open_loop(engine: Engine, arrivals: Iterable[Arrival], progress: bool = 
                 bar.update(1)
     bar.close()
     return _done(records, [])
-
-
-@fewer_gc_passes
-def run_trace_closed(engine: Engine, trace: MooncakeTrace, concurrency: int | None = None,
-                     time_scale: float = 1.0, progress: bool = False) -> RunResult:
-    """Closed loop along the trace's chains: a request that continues an earlier one is sent
-    the moment that one finishes (zero think time). Chain roots start at their timestamps
-    (divided by ``time_scale``), or, with ``concurrency``, whenever fewer than that many
-    chains are active (then timestamps only give the order)."""
-    children: dict[int, list[int]] = {}
-    roots: list[int] = []
-    for r in trace.requests:
-        if r.parent is None:
-            roots.append(r.index)
-        else:
-            children.setdefault(r.parent, []).append(r.index)
-    chain_of: dict[int, int] = {}
-    for root in roots:  # every request belongs to its root's chain
-        stack = [root]
-        while stack:
-            k = stack.pop()
-            chain_of[k] = root
-            stack.extend(children.get(k, ()))
-    open_children = {root: 1 for root in roots}  # requests of the chain not yet finished
-    start = engine.clock()
-    inflight: dict[str, int] = {}
-    records: list[RequestRecord] = []
-    session_times: list[float] = []
-    chain_start: dict[int, float] = {}
-    active = 0
-    ri = 0
-    bar = tqdm(total=len(trace), desc="requests", unit="req", disable=not progress)
-
-    def send(k: int) -> None:
-        r = trace.requests[k]
-        req = engine.add_request(trace.prompt(r), greedy(max(1, r.output_length)))
-        inflight[req.request_id] = k
-
-    def can_start() -> bool:
-        if ri >= len(roots):
-            return False
-        if concurrency is not None:
-            return active < concurrency
-        return start + trace.requests[roots[ri]].timestamp / time_scale <= engine.clock()
-
-    while ri < len(roots) or inflight:
-        while can_start():
-            root = roots[ri]
-            ri += 1
-            active += 1
-            chain_start[root] = engine.clock()
-            send(root)
-        if not engine.has_unfinished():
-            if ri < len(roots) and concurrency is None:
-                wait_until(engine, start + trace.requests[roots[ri]].timestamp / time_scale)
-                continue
-            if not inflight:
-                break
-        for req in engine.step_requests():
-            if not req.finished or req.request_id not in inflight:
-                continue
-            k = inflight.pop(req.request_id)
-            root = chain_of[k]
-            records.append(engine_record(req, root, k, start))
-            bar.update(1)
-            kids = children.get(k, [])
-            open_children[root] += len(kids) - 1
-            for c in kids:
-                send(c)
-            if open_children[root] == 0:
-                active -= 1
-                session_times.append(engine.clock() - chain_start[root])
-    bar.close()
-    return _done(records, session_times)

@@ -19,7 +19,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hlserve.sim.study import PRODUCTION_SLO, human_tax, latency, pareto, throughput
+from hlserve.driver.points import meets_slo
+from hlserve.sim.study.core import (
+    PRODUCTION_SLO,
+    components,
+    human_tax,
+    latency,
+    pareto,
+    throughput,
+)
 
 Groups = dict[tuple[int, int], list[dict[str, Any]]]
 
@@ -76,10 +84,6 @@ def _point_name(r: dict[str, Any]) -> str:
     return f"{r['label']}, {r['point']['sessions']} sessions"
 
 
-def _meets(r: dict[str, Any], slo: tuple[float, float]) -> bool:
-    return latency(r, "p99_ttft_ms") <= slo[0] and latency(r, "p99_tpot_ms") <= slo[1]
-
-
 # ---- pooled frontiers ---------------------------------------------------------------------------
 
 
@@ -89,7 +93,7 @@ def _scatter_pooled(ax: Any, rs: list[dict[str, Any]], key: str, scale: float,
     for r in rs:
         ours = r["point"]["system"] == "hlserve"  # drawn on top, smaller: it often ties vllm
         color = SYSTEM_COLORS.get(system_family(r["point"]["system"]), OTHER_COLOR)
-        filled = _meets(r, slo)
+        filled = meets_slo(r, *slo)
         ax.scatter(latency(r, key) * scale, throughput(r),
                    marker=SESSION_MARKERS.get(r["point"]["sessions"], "x"), s=22 if ours else 46,
                    facecolors=color if filled else "none", edgecolors=color, linewidths=1.2,
@@ -252,8 +256,6 @@ COMPONENT_YLIM = (-15.0, 40.0)  # gains beyond it are drawn to the edge and prin
 
 
 def _component_bars(ax: Any, groups: Groups, ctx: int) -> None:
-    from hlserve.sim.study import components
-
     labels = list(COMPONENT_LABELS)
     ns = sorted(n for c, n in groups if c == ctx)
     width = 0.84 / len(ns)
