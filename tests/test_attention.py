@@ -283,6 +283,41 @@ def test_prefill_kernels_over_many_pages_and_chunk_edges(kernel, heads, kv_heads
 
 
 @needs_prefill_kernel
+@pytest.mark.parametrize("kernel", ["tiled", "rowpair"])
+@pytest.mark.parametrize("ramp", ["rising", "falling"])
+def test_prefill_kernels_rescale_as_the_maximum_moves(kernel: str, ramp: str) -> None:
+    """Keys scaled by a ramp along the context, so that each row's largest score keeps
+    rising from tile to tile (the online softmax rescales its sums many times, the tiled
+    kernel's 2^8 rule included) or falls (it never does after the first tile): the fp64
+    reference over the same bf16 inputs, within bf16 rounding."""
+    op = prefill_op(kernel)
+    assert op is not None
+    seqs = [(0, 300), (1000, 50), (700, 1)]
+    tables: list[list[int]] = []
+    q, k, v, kc, vc, meta, scale, _ = build_case(14, 2, 16, seqs, seed=9, d=64, tables=tables)
+    q, k, v, kc, vc = (x.to(torch.bfloat16) for x in (q, k, v, kc, vc))
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    pool = kc.view(2, -1, 64)
+    for (ctx, n), table in zip(seqs, tables, strict=True):
+        slots = torch.tensor(table)[torch.arange(ctx + n) // 16] * 16 + torch.arange(ctx + n) % 16
+        factor = torch.linspace(0.2, 6.0, ctx + n)  # scores' spread grows 30-fold
+        if ramp == "falling":
+            factor = factor.flip(0)
+        pool[:, slots] = (pool[:, slots].float() * factor[None, :, None]).to(torch.bfloat16)
+    chunks = prefills(meta, seqs, tables, 16, decodes=True)
+    out = torch.zeros_like(q)
+    op(out, q, kc, vc, chunks.pages, chunks.page_lo, chunks.starts, chunks.num_new,
+       chunks.context, scale)
+    t = 0
+    for (ctx, n), table in zip(seqs, tables, strict=True):
+        slots = torch.tensor(table)[torch.arange(ctx + n) // 16] * 16 + torch.arange(ctx + n) % 16
+        ref = reference(q[t : t + n], pool[:, slots].transpose(0, 1),
+                        vc.view(2, -1, 64)[:, slots].transpose(0, 1), ctx, scale)
+        torch.testing.assert_close(out[t : t + n].double(), ref, atol=2e-2, rtol=2e-2)
+        t += n
+
+
+@needs_prefill_kernel
 @pytest.mark.parametrize("d", [32, 128, 256])
 def test_tiled_prefill_chunked_prompt_matches_one_call(d: int) -> None:
     """One 300-token prompt attended in one call and as three chunks of 37, 100 and 163

@@ -47,9 +47,16 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-inline const uint16_t* kv_row(const uint16_t* base, const int64_t* table, int64_t S, int64_t D,
-                              int64_t l, bool valid) {
-  return valid ? base + (table[l / S] * S + l % S) * D : nullptr;
+// Where keys l0 .. l0 + n - 1 of a sequence are in a KV head's pool (element offsets, the
+// same for K and V): one division for the first, then a walk along the page table (a
+// division per key was a measurable share of a tile's work).
+inline void key_offsets(const int64_t* table, int64_t S, int64_t D, int64_t l0, int n,
+                        int64_t* off) {
+  int64_t page = l0 / S, slot = l0 % S;
+  for (int i = 0; i < n; ++i) {
+    off[i] = (table[page] * S + slot) * D;
+    if (++slot == S) slot = 0, ++page;
+  }
 }
 
 // One tile of KT keys and values repacked for the dot-product instructions: keys as
@@ -62,14 +69,14 @@ struct Tile {
   alignas(64) uint32_t kt[KT / 16][D / 2][16];
   alignas(64) uint16_t vp[KT / 2][D * 2];
 
-  void load(const uint16_t* kbase, const uint16_t* vbase, const int64_t* table, int64_t S,
-            int64_t l0, int nk) {
+  // the tile's first nk keys at element offsets off (key_offsets) of the pools' heads
+  void load(const uint16_t* kbase, const uint16_t* vbase, const int64_t* off, int nk) {
     const __m512i idx = interleave_index();
     // keys: each 16 x 16 block of (key, dimension pair) words is transposed in registers
     for (int grp = 0; grp < KT / 16; ++grp) {
       const uint16_t* rows[16];
       for (int j = 0; j < 16; ++j)
-        rows[j] = kv_row(kbase, table, S, D, l0 + 16 * grp + j, 16 * grp + j < nk);
+        rows[j] = 16 * grp + j < nk ? kbase + off[16 * grp + j] : nullptr;
       for (int pb = 0; pb < D / 32; ++pb) {
         __m512i r[16];
         for (int j = 0; j < 16; ++j)
@@ -79,8 +86,8 @@ struct Tile {
       }
     }
     for (int j = 0; j < KT / 2; ++j) {
-      const uint16_t* a = kv_row(vbase, table, S, D, l0 + 2 * j, 2 * j < nk);
-      const uint16_t* b = kv_row(vbase, table, S, D, l0 + 2 * j + 1, 2 * j + 1 < nk);
+      const uint16_t* a = 2 * j < nk ? vbase + off[2 * j] : nullptr;
+      const uint16_t* b = 2 * j + 1 < nk ? vbase + off[2 * j + 1] : nullptr;
       for (int c = 0; c < D / 16; ++c) {
         const __m512i va = a ? _mm512_castsi256_si512(_mm256_loadu_si256(
                                    reinterpret_cast<const __m256i*>(a + 16 * c)))
@@ -103,19 +110,16 @@ struct Tile {
   }
 };
 
-// Ask for the next tile's key and value rows while this one is computed: its pages are
-// anywhere in the pool, so the hardware prefetcher cannot guess them.
-template <int D, int KT>
-inline void prefetch_tile(const uint16_t* kbase, const uint16_t* vbase, const int64_t* table,
-                          int64_t S, int64_t l0, int64_t keys) {
-  const int64_t end = std::min<int64_t>(keys, l0 + KT);
-  for (int64_t l = l0; l < end; ++l) {
-    const int64_t off = (table[l / S] * S + l % S) * D;
+// Ask for the next tile's key and value rows (n keys at offsets off) while this one is
+// computed: its pages are anywhere in the pool, so the hardware prefetcher cannot guess them.
+template <int D>
+inline void prefetch_keys(const uint16_t* kbase, const uint16_t* vbase, const int64_t* off,
+                          int n) {
+  for (int i = 0; i < n; ++i)
     for (int b = 0; b < D * 2; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(kbase + off) + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vbase + off) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(kbase + off[i]) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vbase + off[i]) + b, _MM_HINT_T0);
     }
-  }
 }
 
 // Task order: the blocks of a chunk alternate between its start and its end (0, n-1, 1,

@@ -226,10 +226,16 @@ void attend_block(const PrefillArgs& a, const Block& b, int64_t G, std::vector<R
   const uint16_t* kbase = a.k + b.h * a.P * a.S * D;
   const uint16_t* vbase = a.v + b.h * a.P * a.S * D;
   const int64_t keys = before + b.nq;  // the last query's keys
-  for (int64_t l0 = 0; l0 < keys; l0 += KT) {
+  int64_t off[2][KT];  // this tile's key offsets and the next one's (for the prefetch)
+  key_offsets(b.table, a.S, D, 0, static_cast<int>(std::min<int64_t>(KT, keys)), off[0]);
+  for (int64_t l0 = 0, i = 0; l0 < keys; l0 += KT, i ^= 1) {
     const int nk = static_cast<int>(std::min<int64_t>(KT, keys - l0));
-    tile.load(kbase, vbase, b.table, a.S, l0, nk);
-    if (l0 + KT < keys) prefetch_tile<D, KT>(kbase, vbase, b.table, a.S, l0 + KT, keys);
+    tile.load(kbase, vbase, off[i], nk);
+    if (l0 + KT < keys) {
+      const int next = static_cast<int>(std::min<int64_t>(KT, keys - l0 - KT));
+      key_offsets(b.table, a.S, D, l0 + KT, next, off[i ^ 1]);
+      prefetch_keys<D>(kbase, vbase, off[i ^ 1], next);
+    }
     // rows before the first query at or past l0 see none of this tile
     for (int64_t r = std::max<int64_t>(0, l0 - before) * G; r < R;) {
       const int64_t left = R - r;  // split what is left into blocks of at most MR, evenly

@@ -140,8 +140,14 @@ void prefill_block(const uint16_t* q, const uint16_t* kbase, const uint16_t* vba
   const int64_t keys = ctx + q0 + nq;  // the last query's keys
   for (int64_t l0 = 0; l0 < keys; l0 += KT) {
     const int nk = static_cast<int>(std::min<int64_t>(KT, keys - l0));
-    tile.load(kbase, vbase, table, S, l0, nk);
-    if (l0 + KT < keys) prefetch_tile<D, KT>(kbase, vbase, table, S, l0 + KT, keys);
+    int64_t off[KT];
+    key_offsets(table, S, D, l0, nk, off);
+    tile.load(kbase, vbase, off, nk);
+    if (l0 + KT < keys) {
+      const int next = static_cast<int>(std::min<int64_t>(KT, keys - l0 - KT));
+      key_offsets(table, S, D, l0 + KT, next, off);
+      prefetch_keys<D>(kbase, vbase, off, next);
+    }
     // keys of this tile that row r's query sees (<= 0: the tile is in its future)
     const auto seen_by = [&](int64_t r) {
       return static_cast<int>(std::min<int64_t>(nk, ctx + q0 + r / G + 1 - l0));
