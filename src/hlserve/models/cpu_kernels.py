@@ -152,9 +152,9 @@ def _load() -> object | None:
         module = _build()
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
         log.warning("CPU kernels not built (%s: %s); attention and the fused layer ops in "
-                    "PyTorch",
-                    type(e).__name__, str(e).strip().splitlines()[-1:] or "")
+                    "PyTorch", type(e).__name__, str(e).strip().splitlines()[-1:] or "")
         return None
+    built = module.prefill_attention_built()  # type: ignore[attr-defined]
     log.info("CPU attention kernels loaded from %s (prefill kernel: %s)", build_dir(),
-             "yes" if module.prefill_attention_built() else "no AVX512_BF16")  # type: ignore[attr-defined]
+             (os.environ.get("HLSERVE_PREFILL_KERNEL") or "tiled") if built else "no AVX512_BF16")
     return module
