@@ -122,11 +122,6 @@ inline void prefetch_keys(const uint16_t* kbase, const uint16_t* vbase, const in
     }
 }
 
-// Task order: the blocks of a chunk alternate between its start and its end (0, n-1, 1,
-// n-2, ...), so that the contiguous ranges at::parallel_for hands each thread mix short
-// (early, less context) and long blocks.
-inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
-
 // The raw arguments of one prefill call, checked (see prefill_attention.cpp for the layout).
 struct PrefillArgs {
   const uint16_t *q, *k, *v;

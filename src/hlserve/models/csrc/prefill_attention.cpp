@@ -15,7 +15,7 @@
 // ctx      [C] int64           tokens cached before it
 //
 // Tiled like a GEMM (flash attention's loop order): one task per (chunk, KV head, block of
-// queries), threads over the tasks. A block is ~64 rows (its queries x the G query heads of
+// queries); threads take the tasks one at a time, the most expensive first. A block is ~64 rows (its queries x the G query heads of
 // that KV head), which walk the context in tiles of KT = 64 keys, each tile read through the
 // page table and repacked once for all of them (bf16_tile.h). Per tile the rows go through in
 // register blocks of up to 6: their scores against the tile's four 16-key vectors (6 x 4 fp32
@@ -36,6 +36,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -251,22 +252,40 @@ void attend_block(const PrefillArgs& a, const Block& b, int64_t G, std::vector<R
   finish_rows<D>(a, b, G, rows);
 }
 
+// One task: chunk c's queries q0 .. q0 + nq - 1 against KV head h; cost ~ rows x keys.
+struct Task {
+  int64_t c, q0, nq, h, cost;
+};
+
+// Every task of the call, the most expensive first (a chunk's last blocks see the most keys).
+inline std::vector<Task> tasks_of(const PrefillArgs& a, int64_t G, int64_t QB) {
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < a.C; ++c)
+    for (int64_t q0 = 0; q0 < a.num_new[c]; q0 += QB) {
+      const int64_t nq = std::min<int64_t>(QB, a.num_new[c] - q0);
+      for (int64_t h = 0; h < a.KVH; ++h)
+        tasks.push_back({c, q0, nq, h, nq * G * (a.ctx[c] + q0 + nq)});
+    }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
 struct Run {
   template <int D>
   void operator()(const PrefillArgs& a) const {
     const int64_t G = a.H / a.KVH, QB = std::max<int64_t>(1, ROWS / G);
-    std::vector<int64_t> first(a.C + 1, 0);  // tasks before chunk c
-    for (int64_t c = 0; c < a.C; ++c)
-      first[c + 1] = first[c] + (a.num_new[c] + QB - 1) / QB * a.KVH;
-    at::parallel_for(0, first[a.C], 1, [&](int64_t begin, int64_t end) {
+    const std::vector<Task> tasks = tasks_of(a, G, QB);
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    // each thread takes the next task when it is done with one (longest first): a static
+    // split of tasks whose costs differ by the context they see leaves threads idle
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       std::vector<Row<D>> rows;
       auto tile = std::make_unique<Tile<D>>();
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t c = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-        const int64_t blocks = (a.num_new[c] + QB - 1) / QB, local = task - first[c];
-        const int64_t q0 = zigzag(local / a.KVH, blocks) * QB;
-        const Block b{a.pages + a.page_lo[c], a.ctx[c], a.starts[c], q0,
-                      std::min<int64_t>(QB, a.num_new[c] - q0), local % a.KVH};
+      for (int64_t i = next++; i < n; i = next++) {
+        const Task& t = tasks[i];
+        const Block b{a.pages + a.page_lo[t.c], a.ctx[t.c], a.starts[t.c], t.q0, t.nq, t.h};
         attend_block<D>(a, b, G, rows, *tile);
       }
     });

@@ -181,6 +181,11 @@ void prefill_block(const uint16_t* q, const uint16_t* kbase, const uint16_t* vba
   }
 }
 
+// Task order: the blocks of a chunk alternate between its start and its end (0, n-1, 1,
+// n-2, ...), so that the contiguous ranges at::parallel_for hands each thread mix short
+// (early, less context) and long blocks.
+inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 template <int D>
 void prefill(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pages,
              const int64_t* page_lo, const int64_t* starts, const int64_t* num_new,
