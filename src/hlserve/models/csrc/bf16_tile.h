@@ -16,7 +16,9 @@
 namespace hlserve_tile {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
-inline __m512bh bcast_pair(uint32_t pair) { return as_bh(_mm512_set1_epi32(static_cast<int>(pair))); }
+inline __m512bh bcast_pair(uint32_t pair) {
+  return as_bh(_mm512_set1_epi32(static_cast<int>(pair)));
+}
 
 inline __mmask16 lanes(int n) {  // the first n of 16 lanes (n clipped to 0..16)
   return n >= 16 ? static_cast<__mmask16>(0xFFFF)

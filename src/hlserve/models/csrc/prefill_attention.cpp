@@ -15,9 +15,10 @@
 // ctx      [C] int64           tokens cached before it
 //
 // Tiled like a GEMM (flash attention's loop order): one task per (chunk, KV head, block of
-// queries); threads take the tasks one at a time, the most expensive first. A block is ~64 rows (its queries x the G query heads of
-// that KV head), which walk the context in tiles of KT = 64 keys, each tile read through the
-// page table and repacked once for all of them (bf16_tile.h). Per tile the rows go through in
+// queries); threads take the tasks one at a time, the most expensive first. A block is ~64
+// rows (its queries x the G query heads of that KV head), which walk the context in tiles of
+// KT = 64 keys, each tile read through the page table and repacked once for all of them
+// (bf16_tile.h). Per tile the rows go through in
 // register blocks of up to 6: their scores against the tile's four 16-key vectors (6 x 4 fp32
 // accumulators, one key vector load and one broadcast query pair per 6 or 4 bf16 dot-product
 // instructions), the online softmax of those scores in registers, then the weights times the
