@@ -243,6 +243,126 @@ def test_cpu_kernel_prefill_long_contexts() -> None:
         t += n
 
 
+# the tiled kernel's edges: 64-key tiles, 16-key score vectors, register blocks of up to 6
+# rows, tasks of ~64 rows; chunks over cached contexts that end mid-page (a later chunk of a
+# prompt), one-token chunks (decodes), contexts of thousands of keys
+TILED_MIX = [(0, 1), (0, 63), (0, 64), (0, 65), (15, 1), (17, 47), (63, 2), (64, 64),
+             (129, 7), (1000, 130), (2047, 1), (0, 200), (3001, 19)]
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("kernel", ["tiled", "rowpair"])
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (6, 6), (8, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_kernels_over_many_pages_and_chunk_edges(kernel, heads, kv_heads, page_size
+                                                         ) -> None:
+    """Both prefill kernels, called directly with every segment of a 13-sequence batch (up
+    to 3,020 keys: 3,020 pages at page size 1, shuffled in the pool): the dense fp64
+    reference over the same bf16 inputs, within bf16 rounding."""
+    op = prefill_op(kernel)
+    assert op is not None
+    tables: list[list[int]] = []
+    q, k, v, kc, vc, meta, scale, _ = build_case(heads, kv_heads, page_size, TILED_MIX,
+                                                 seed=page_size, d=64, tables=tables)
+    q, k, v, kc, vc = (x.to(torch.bfloat16) for x in (q, k, v, kc, vc))
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    chunks = prefills(meta, TILED_MIX, tables, page_size, decodes=True)
+    out = torch.zeros_like(q)
+    op(out, q, kc, vc, chunks.pages, chunks.page_lo, chunks.starts, chunks.num_new,
+       chunks.context, scale)
+    t = 0
+    for (ctx, n), table in zip(TILED_MIX, tables, strict=True):
+        slots = torch.tensor(table)[torch.arange(ctx + n) // page_size] * page_size
+        slots += torch.arange(ctx + n) % page_size
+        keys = kc.view(kv_heads, -1, 64)[:, slots].transpose(0, 1)  # [L, KVH, D]
+        vals = vc.view(kv_heads, -1, 64)[:, slots].transpose(0, 1)
+        ref = reference(q[t : t + n], keys, vals, ctx, scale)
+        torch.testing.assert_close(out[t : t + n].double(), ref, atol=1e-2, rtol=1e-2,
+                                   msg=lambda m, c=ctx, n=n: f"context {c}, {n} new: {m}")
+        t += n
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("kernel", ["tiled", "rowpair"])
+@pytest.mark.parametrize("ramp", ["rising", "falling"])
+def test_prefill_kernels_rescale_as_the_maximum_moves(kernel: str, ramp: str) -> None:
+    """Keys scaled by a ramp along the context, so that each row's largest score keeps
+    rising from tile to tile (the online softmax rescales its sums many times, the tiled
+    kernel's 2^8 rule included) or falls (it never does after the first tile): the fp64
+    reference over the same bf16 inputs, within bf16 rounding."""
+    op = prefill_op(kernel)
+    assert op is not None
+    seqs = [(0, 300), (1000, 50), (700, 1)]
+    tables: list[list[int]] = []
+    q, k, v, kc, vc, meta, scale, _ = build_case(14, 2, 16, seqs, seed=9, d=64, tables=tables)
+    q, k, v, kc, vc = (x.to(torch.bfloat16) for x in (q, k, v, kc, vc))
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    pool = kc.view(2, -1, 64)
+    for (ctx, n), table in zip(seqs, tables, strict=True):
+        slots = torch.tensor(table)[torch.arange(ctx + n) // 16] * 16 + torch.arange(ctx + n) % 16
+        factor = torch.linspace(0.2, 6.0, ctx + n)  # scores' spread grows 30-fold
+        if ramp == "falling":
+            factor = factor.flip(0)
+        pool[:, slots] = (pool[:, slots].float() * factor[None, :, None]).to(torch.bfloat16)
+    chunks = prefills(meta, seqs, tables, 16, decodes=True)
+    out = torch.zeros_like(q)
+    op(out, q, kc, vc, chunks.pages, chunks.page_lo, chunks.starts, chunks.num_new,
+       chunks.context, scale)
+    t = 0
+    for (ctx, n), table in zip(seqs, tables, strict=True):
+        slots = torch.tensor(table)[torch.arange(ctx + n) // 16] * 16 + torch.arange(ctx + n) % 16
+        ref = reference(q[t : t + n], pool[:, slots].transpose(0, 1),
+                        vc.view(2, -1, 64)[:, slots].transpose(0, 1), ctx, scale)
+        torch.testing.assert_close(out[t : t + n].double(), ref, atol=2e-2, rtol=2e-2)
+        t += n
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("d", [32, 128, 256])
+def test_tiled_prefill_chunked_prompt_matches_one_call(d: int) -> None:
+    """One 300-token prompt attended in one call and as three chunks of 37, 100 and 163
+    tokens (each over the cache the earlier ones wrote; none ends on a page or tile edge),
+    GQA 4 / 2, every head size the kernel is built for but 64 (above): both the fp64
+    reference's output within bf16 rounding."""
+    op = prefill_op("tiled")
+    assert op is not None
+    tables: list[list[int]] = []
+    q, k, v, kc, vc, meta, scale, _ = build_case(4, 2, 16, [(0, 300)], seed=d, d=d,
+                                                 tables=tables)
+    q, k, v, kc, vc = (x.to(torch.bfloat16) for x in (q, k, v, kc, vc))
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    pages = torch.tensor(tables[0])
+    zero = torch.tensor([0])
+    whole = torch.zeros_like(q)
+    op(whole, q, kc, vc, pages, zero, zero, torch.tensor([300]), zero, scale)
+    chunked = torch.zeros_like(q)
+    for start, end in [(0, 37), (37, 137), (137, 300)]:  # one call per chunk, as the engine
+        op(chunked, q, kc, vc, pages, zero, torch.tensor([start]), torch.tensor([end - start]),
+           torch.tensor([start]), scale)
+    slots = pages[torch.arange(300) // 16] * 16 + torch.arange(300) % 16
+    keys = kc.view(2, -1, d)[:, slots].transpose(0, 1)
+    vals = vc.view(2, -1, d)[:, slots].transpose(0, 1)
+    ref = reference(q, keys, vals, 0, scale)
+    torch.testing.assert_close(whole.double(), ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(chunked.double(), ref, atol=1e-2, rtol=1e-2)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_is_chosen_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HLSERVE_PREFILL_KERNEL`` picks the kernel the engine runs; an argument overrides it;
+    an unknown name is an error, not a silent default."""
+    from hlserve.models import cpu_kernels
+
+    module = cpu_kernels._module()
+    assert prefill_op() is module.prefill_attention  # type: ignore[union-attr]
+    monkeypatch.setenv("HLSERVE_PREFILL_KERNEL", "rowpair")
+    assert prefill_op() is module.prefill_attention_rowpair  # type: ignore[union-attr]
+    assert prefill_op("tiled") is module.prefill_attention  # type: ignore[union-attr]
+    monkeypatch.setenv("HLSERVE_PREFILL_KERNEL", "fast")
+    with pytest.raises(ValueError, match="unknown prefill kernel"):
+        prefill_op()
+
+
 def test_kernel_switch_off_gives_the_pytorch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """HLSERVE_CPU_KERNELS=0: no kernel is loaded (the runner then gathers and calls SDPA)."""
     from hlserve.models import cpu_kernels

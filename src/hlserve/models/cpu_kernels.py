@@ -6,10 +6,12 @@ the pool read itself; docs/bench.md, "Engine speed"):
 
 - ``decode_attention``: every decode of a batch, one task per (sequence, KV head); over a
   long context a decode is memory-bound.
-- ``prefill_attention``: every prompt chunk of a batch over its whole context, flash-style,
-  with bf16 dot-product instructions; compute-bound, and PyTorch's CPU flash kernel runs it
-  at fp32 speed. Compiled only where the CPU has AVX512_BF16 (``prefill_op()`` is None
-  elsewhere, and prefill stays in PyTorch).
+- ``prefill_attention``: every prompt chunk of a batch over its whole context, tiled like a
+  GEMM (flash attention's loop order) with bf16 dot-product instructions; compute-bound, and
+  PyTorch's CPU flash kernel runs it at fp32 speed. Compiled only where the CPU has
+  AVX512_BF16 (``prefill_op()`` is None elsewhere, and prefill stays in PyTorch). The kernel
+  it replaced stays callable as ``prefill_op("rowpair")`` (or ``HLSERVE_PREFILL_KERNEL=rowpair``
+  for the whole engine) so that ``benchmarks/prefill_attention.py`` measures both on one build.
 
 And the fused elementwise ops of a layer in bf16 (RMSNorm with its residual add, SiLU x up,
 RoPE; ``fused_ops()``, used by ``models/fused.py``), also AVX512_BF16 only.
@@ -17,8 +19,8 @@ RoPE; ``fused_ops()``, used by ``models/fused.py``), also AVX512_BF16 only.
 The extension is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja)
 with ``-march=native`` into a cache directory keyed by the source, torch's version and this
 machine's CPU flags, so a shared cache never serves a build for another CPU. Where it cannot
-be built, or ``HLSERVE_CPU_KERNELS=0``, ``decode_op()`` and ``prefill_op()`` are None and
-attention takes the PyTorch path; the reason is logged once.
+be built, or ``HLSERVE_CPU_KERNELS=0``, ``decode_op()``, ``prefill_op()`` and ``fused_ops()``
+are None: attention and the layer ops take the PyTorch path; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
-                                       "prefill_attention.cpp", "fused_ops.cpp")]
-_HEADERS = [_CSRC / "avx512_math.h"]  # included by the sources: part of the build's key
+                                       "prefill_attention.cpp", "prefill_attention_rowpair.cpp",
+                                       "fused_ops.cpp")]
+# included by the sources: part of the build's key
+_HEADERS = [_CSRC / name for name in ("avx512_math.h", "bf16_tile.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -113,13 +117,20 @@ def decode_op() -> DecodeOp | None:
     return None if module is None else module.decode_attention  # type: ignore[attr-defined]
 
 
-def prefill_op() -> PrefillOp | None:
+PREFILL_KERNELS = {"tiled": "prefill_attention", "rowpair": "prefill_attention_rowpair"}
+
+
+def prefill_op(kernel: str | None = None) -> PrefillOp | None:
     """The compiled prefill attention, or None where it is off, cannot be built, or this
-    CPU has no AVX512_BF16."""
+    CPU has no AVX512_BF16. ``kernel``: "tiled" (the default) or "rowpair" (the kernel it
+    replaced, for side-by-side measurements); None reads ``HLSERVE_PREFILL_KERNEL``."""
     module = _module()
     if module is None or not module.prefill_attention_built():  # type: ignore[attr-defined]
         return None
-    return module.prefill_attention  # type: ignore[attr-defined,no-any-return]
+    name = kernel or os.environ.get("HLSERVE_PREFILL_KERNEL") or "tiled"
+    if name not in PREFILL_KERNELS:
+        raise ValueError(f"unknown prefill kernel {name!r}: one of {sorted(PREFILL_KERNELS)}")
+    return getattr(module, PREFILL_KERNELS[name])  # type: ignore[no-any-return]
 
 
 def fused_ops() -> object | None:
@@ -134,14 +145,16 @@ def fused_ops() -> object | None:
 
 def _load() -> object | None:
     if os.environ.get("HLSERVE_CPU_KERNELS", "1") == "0":
-        log.info("CPU kernels off (HLSERVE_CPU_KERNELS=0): decode attention in PyTorch")
+        log.info("CPU kernels off (HLSERVE_CPU_KERNELS=0): attention and the fused layer ops "
+                 "in PyTorch")
         return None
     try:
         module = _build()
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
-        log.warning("CPU decode kernel not built (%s: %s); decode attention in PyTorch",
-                    type(e).__name__, str(e).strip().splitlines()[-1:] or "")
+        log.warning("CPU kernels not built (%s: %s); attention and the fused layer ops in "
+                    "PyTorch", type(e).__name__, str(e).strip().splitlines()[-1:] or "")
         return None
+    built = module.prefill_attention_built()  # type: ignore[attr-defined]
     log.info("CPU attention kernels loaded from %s (prefill kernel: %s)", build_dir(),
-             "yes" if module.prefill_attention_built() else "no AVX512_BF16")  # type: ignore[attr-defined]
+             (os.environ.get("HLSERVE_PREFILL_KERNEL") or "tiled") if built else "no AVX512_BF16")
     return module

@@ -9,6 +9,11 @@ void prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
                        const torch::Tensor& v_cache, const torch::Tensor& pages,
                        const torch::Tensor& page_lo, const torch::Tensor& starts,
                        const torch::Tensor& num_new, const torch::Tensor& ctx, double scale);
+void prefill_attention_rowpair(torch::Tensor& out, const torch::Tensor& q,
+                               const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& pages, const torch::Tensor& page_lo,
+                               const torch::Tensor& starts, const torch::Tensor& num_new,
+                               const torch::Tensor& ctx, double scale);
 bool prefill_attention_built();
 bool fused_ops_built();
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
@@ -21,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the page pool");
   m.def("prefill_attention", &prefill_attention,
         "paged prefill attention over the page pool (bf16, AVX512_BF16), written into out");
+  m.def("prefill_attention_rowpair", &prefill_attention_rowpair,
+        "the kernel prefill_attention replaced (same arguments), kept for benchmarks");
   m.def("prefill_attention_built", &prefill_attention_built,
         "whether prefill_attention was compiled (the CPU has AVX512_BF16)");
   m.def("fused_ops_built", &fused_ops_built, "whether the fused bf16 ops were compiled");

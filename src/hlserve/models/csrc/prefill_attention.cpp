@@ -1,7 +1,8 @@
 // Paged prefill attention for the CPU: the new tokens of every prompt chunk in a batch,
 // over the sequence's whole context (cached prefix, earlier chunks and the chunk itself), read
 // in place from the head-major page pool. Query i of a chunk sees keys 0..context + i
-// (lower-right causal); no mask tensor, no gather, no GQA expansion.
+// (lower-right causal); no mask tensor, no gather, no GQA expansion. A decode is a chunk of
+// one query.
 //
 // out      [T, H, D]           the batch's attention output; only the chunks' rows are written
 // q        [T, H, D]           the batch's queries (bf16)
@@ -13,311 +14,284 @@
 // num_new  [C] int64           its new tokens
 // ctx      [C] int64           tokens cached before it
 //
-// Flash-attention style: one task per (chunk, block of QB queries, KV head); the block's
-// G x QB query rows (the G query heads of that KV head) walk the context in tiles of 32 keys,
-// with an online softmax in fp32. Both products use bf16 dot-product instructions
-// (AVX512_BF16: pairs of bf16 multiplied and summed into fp32), which is where the speed comes
-// from: PyTorch's CPU flash kernel converts to fp32 and runs at fp32 GEMM speed (~125 GFLOP/s
-// on two cores against ~400 for bf16). Each tile is repacked once for all the block's rows:
-// keys as [D/2 pairs][16 keys] (a row's 16 scores are one vector), values as
-// [16 key pairs][D] (two keys' values interleaved, weighted by one broadcast pair of P).
+// Tiled like a GEMM (flash attention's loop order): one task per (chunk, KV head, block of
+// queries); threads take the tasks one at a time, the most expensive first. A block is ~64
+// rows (its queries x the G query heads of that KV head), which walk the context in tiles of
+// KT = 64 keys, each tile read through the page table and repacked once for all of them
+// (bf16_tile.h). Per tile the rows go through in
+// register blocks of up to 6: their scores against the tile's four 16-key vectors (6 x 4 fp32
+// accumulators, one key vector load and one broadcast query pair per 6 or 4 bf16 dot-product
+// instructions), the online softmax of those scores in registers, then the weights times the
+// values into the rows' fp32 outputs (6 x 4 accumulators over 64 dims). AVX512_BF16's
+// vdpbf16ps does both products: pairs of bf16 multiplied and summed into fp32. The weights
+// are rounded to bf16 for the value product, as flash attention does on GPUs.
+//
+// Work the causal mask would throw away is skipped: rows whose query precedes the whole tile
+// are not visited, and on the diagonal a register block stops at the last 16-key vector its
+// latest query sees. The softmax works in log2 units (one FMA scales and shifts a score) and
+// rescales a row's output only when a score passes its running maximum by more than 2^8,
+// which any maximum allows (the final division by the sum cancels it): past the first tiles
+// that test is one compare per row and tile, no horizontal reduction.
 // Only built where the compiler targets AVX512_BF16; elsewhere prefill stays in PyTorch.
-#include <torch/extension.h>
+#include "bf16_tile.h"
+
 #include <ATen/Parallel.h>
 
-#include <algorithm>
+#include <atomic>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
-
 #include "avx512_math.h"
 
 namespace {
 
-constexpr int KT = 32;  // keys per tile: two 16-lane score vectors per row
-constexpr int QB = 8;   // queries per task: G x QB rows share one repack of each tile
+using namespace hlserve_tile;
+using hlserve_avx::exp2_ps;
 
-using hlserve_avx::exp_ps;  // e^x in fp32 (avx512_math.h)
+constexpr int KT = 64;              // keys per tile: four 16-key score vectors per row
+constexpr int MR = 6;               // rows per register block (6 x 4 accumulators)
+constexpr int ROWS = 64;            // rows per task that share each repacked tile
+constexpr float RESCALE_AT = 8.0f;  // log2 units a score may pass the running max unrescaled
+constexpr float LOW = -1e30f;       // a masked score (finite: -ffast-math assumes no inf)
+constexpr float LOG2E = 1.4426950408889634f;
 
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
-inline __m512bh bcast_pair(uint32_t pair) { return as_bh(_mm512_set1_epi32(static_cast<int>(pair))); }
-
-inline __mmask16 lanes(int n) {  // the first n of 16 lanes (n clipped to 0..16)
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
-                 : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// r[i] lane j <- r[j] lane i: a 16 x 16 transpose of 32-bit words in four shuffle rounds
-inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int b = 0; b < 16; b += 8)
-    for (int i = 0; i < 4; ++i) {
-      t[b + i] = _mm512_shuffle_i32x4(r[b + i], r[b + i + 4], 0x88);
-      t[b + i + 4] = _mm512_shuffle_i32x4(r[b + i], r[b + i + 4], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
-// One tile of keys and values repacked for the dot-product instructions.
 template <int D>
-struct Tile {
-  alignas(64) uint32_t kt[2][D / 2][16];  // [half][pair of dims][key]: bf16 pairs of each key
-  alignas(64) uint16_t vp[KT / 2][D * 2];  // [pair of keys][dim]: the two keys' values interleaved
+using Tile = hlserve_tile::Tile<D, KT>;
 
-  void load(const uint16_t* kbase, const uint16_t* vbase, const int64_t* table, int64_t S,
-            int64_t l0, int nk) {
-    const __m512i idx = interleave_index();
-    // keys: each 16 x 16 block of (key, dimension pair) words is transposed in registers
-    for (int half = 0; half < 2; ++half) {
-      const uint16_t* rows[16];
-      for (int j = 0; j < 16; ++j)
-        rows[j] = row(kbase, table, S, l0 + 16 * half + j, 16 * half + j < nk);
-      for (int pb = 0; pb < D / 32; ++pb) {
-        __m512i r[16];
-        for (int j = 0; j < 16; ++j)
-          r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 32 * pb) : _mm512_setzero_si512();
-        transpose16(r);
-        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt[half][16 * pb + i], r[i]);
-      }
-    }
-    for (int j = 0; j < KT / 2; ++j) {
-      const uint16_t* a = row(vbase, table, S, l0 + 2 * j, 2 * j < nk);
-      const uint16_t* b = row(vbase, table, S, l0 + 2 * j + 1, 2 * j + 1 < nk);
-      for (int c = 0; c < D / 16; ++c) {
-        const __m512i va = a ? _mm512_castsi256_si512(_mm256_loadu_si256(
-                                   reinterpret_cast<const __m256i*>(a + 16 * c)))
-                             : _mm512_setzero_si512();
-        const __m512i vb = b ? _mm512_castsi256_si512(_mm256_loadu_si256(
-                                   reinterpret_cast<const __m256i*>(b + 16 * c)))
-                             : _mm512_setzero_si512();
-        _mm512_store_si512(vp[j] + 32 * c, _mm512_permutex2var_epi16(va, idx, vb));
-      }
-    }
-  }
-
-  static const uint16_t* row(const uint16_t* base, const int64_t* table, int64_t S, int64_t l,
-                             bool valid) {
-    return valid ? base + (table[l / S] * S + l % S) * D : nullptr;
-  }
-
-  static __m512i interleave_index() {  // lane 2i <- a[i], lane 2i + 1 <- b[i]
-    alignas(64) uint16_t idx[32];
-    for (int i = 0; i < 16; ++i) {
-      idx[2 * i] = static_cast<uint16_t>(i);
-      idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
-    }
-    return _mm512_load_si512(idx);
-  }
-};
-
-// Ask for the next tile's key and value rows while this one is computed: its pages are
-// anywhere in the pool, so the hardware prefetcher cannot guess them.
+// One query row of a task: its query as bf16 pairs, output accumulator, lane-wise sum of
+// weights, running max (of raw q.k scores) and this tile's rescale of o.
 template <int D>
-inline void prefetch_tile(const uint16_t* kbase, const uint16_t* vbase, const int64_t* table,
-                          int64_t S, int64_t l0, int64_t keys) {
-  const int64_t end = std::min<int64_t>(keys, l0 + KT);
-  for (int64_t l = l0; l < end; ++l) {
-    const int64_t off = (table[l / S] * S + l % S) * D;
-    for (int b = 0; b < D * 2; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(kbase + off) + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vbase + off) + b, _MM_HINT_T0);
-    }
-  }
-}
-
-// Running state of one query row: output accumulator, max score, lane-wise sum of weights.
-template <int D>
-struct RowState {
+struct Row {
   alignas(64) float o[D];
   alignas(64) float l[16];
+  alignas(64) uint32_t q[D / 2];
   float m;
+  float alpha;
 };
 
-// Scores of NR rows (1 or 2) against a tile: two vectors of 16 keys per row. Each key vector
-// loaded serves every row (loads, not multiplies, bound this loop on one row), and even and
-// odd dimension pairs sum into separate registers so that the dot-product chains overlap.
-template <int D, int NR>
-inline void tile_scores(const uint32_t* const* qp, const Tile<D>& t, __m512 (&s)[NR][2]) {
-  __m512 acc[NR][2][2];
-  for (int r = 0; r < NR; ++r)
-    for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm512_setzero_ps();
-  for (int p = 0; p < D / 2; p += 2) {
-    for (int u = 0; u < 2; ++u) {
-      const __m512bh k0 = as_bh(_mm512_load_si512(t.kt[0][p + u]));
-      const __m512bh k1 = as_bh(_mm512_load_si512(t.kt[1][p + u]));
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh qv = bcast_pair(qp[r][p + u]);
-        acc[r][0][u] = _mm512_dpbf16_ps(acc[r][0][u], k0, qv);
-        acc[r][1][u] = _mm512_dpbf16_ps(acc[r][1][u], k1, qv);
-      }
+// s[r][v] = row r's scores against keys 16v..16v+15 of the tile.
+template <int D, int R, int NV>
+inline void scores(const Row<D>* rows, const Tile<D>& t, __m512 (&s)[R][NV]) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) s[r][v] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    __m512bh k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = as_bh(_mm512_load_si512(t.kt[v][p]));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv = bcast_pair(rows[r].q[p]);
+      for (int v = 0; v < NV; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], k[v], qv);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int h = 0; h < 2; ++h) s[r][h] = _mm512_add_ps(acc[r][h][0], acc[r][h][1]);
 }
 
-// o[r] += P[r] (32 weights as 16 bf16 pairs) x the tile's values, for NR rows; the value
-// vectors are loaded once for all rows, four 16-lane slices of D at a time (registers).
-template <int D, int NR>
-inline void tile_values(const uint32_t* const* pp, const Tile<D>& t, float* const* o) {
+// Online softmax of one row's scores over the first `seen` keys (all 16 * NV unless masked):
+// the weights as bf16 pairs in pb, their sum added to the row's, and the row's rescale.
+template <int D, int NV>
+inline void softmax_row(Row<D>& row, __m512 (&s)[NV], int seen, bool masked, float c,
+                        float rescale_raw, uint32_t* pb) {
+  if (masked)
+    for (int v = 0; v < NV; ++v)
+      s[v] = _mm512_mask_mov_ps(_mm512_set1_ps(LOW), lanes(seen - 16 * v), s[v]);
+  __m512 mx = s[0];
+  for (int v = 1; v < NV; ++v) mx = _mm512_max_ps(mx, s[v]);
+  row.alpha = 1.0f;
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(row.m + rescale_raw), _CMP_GT_OQ)) {
+    const float m = std::max(row.m, _mm512_reduce_max_ps(mx));
+    row.alpha = std::exp2((row.m - m) * c);
+    _mm512_store_ps(row.l, _mm512_mul_ps(_mm512_load_ps(row.l), _mm512_set1_ps(row.alpha)));
+    row.m = m;
+  }
+  const __m512 vc = _mm512_set1_ps(c), shift = _mm512_set1_ps(-row.m * c);
+  __m512 p[NV];
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < NV; ++v) {
+    p[v] = exp2_ps(_mm512_fmadd_ps(s[v], vc, shift));  // masked lanes: 2^-huge = 0
+    sum = _mm512_add_ps(sum, p[v]);
+  }
+  _mm512_store_ps(row.l, _mm512_add_ps(_mm512_load_ps(row.l), sum));
+  for (int v = 0; v < NV; v += 2) {  // key pair j = keys 2j, 2j + 1
+    if (v + 1 < NV) {
+      const __m512bh b = _mm512_cvtne2ps_pbh(p[v + 1], p[v]);
+      _mm512_store_si512(pb + 8 * v, reinterpret_cast<const __m512i&>(b));
+    } else {
+      const __m256bh b = _mm512_cvtneps_pbh(p[v]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + 8 * v),
+                         reinterpret_cast<const __m256i&>(b));
+    }
+  }
+}
+
+// o[r] = o[r] * alpha[r] + P[r] x V over the tile's first 8 * NV key pairs, 64 dims at a time.
+template <int D, int R, int NV>
+inline void values(Row<D>* rows, const Tile<D>& t, const uint32_t (*pb)[KT / 2]) {
   constexpr int W = D / 16 < 4 ? D / 16 : 4;
   for (int c0 = 0; c0 < D / 16; c0 += W) {
-    __m512 acc[NR][W];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm512_load_ps(o[r] + 16 * (c0 + c));
-    for (int j = 0; j < KT / 2; ++j) {
-      __m512bh w[NR];
-      for (int r = 0; r < NR; ++r) w[r] = bcast_pair(pp[r][j]);
-      for (int c = 0; c < W; ++c) {
-        const __m512bh v = as_bh(_mm512_load_si512(t.vp[j] + 32 * (c0 + c)));
-        for (int r = 0; r < NR; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v, w[r]);
+    __m512 acc[R][W];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(rows[r].alpha);
+      for (int c = 0; c < W; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_load_ps(rows[r].o + 16 * (c0 + c)), a);
+    }
+    for (int j = 0; j < 8 * NV; ++j) {
+      __m512bh v[W];
+      for (int c = 0; c < W; ++c) v[c] = as_bh(_mm512_load_si512(t.vp[j] + 32 * (c0 + c)));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = bcast_pair(pb[r][j]);
+        for (int c = 0; c < W; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], w);
       }
     }
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < W; ++c) _mm512_store_ps(o[r] + 16 * (c0 + c), acc[r][c]);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) _mm512_store_ps(rows[r].o + 16 * (c0 + c), acc[r][c]);
   }
 }
 
-// Online softmax of one row's tile scores: rescale what was summed under an older maximum,
-// add this tile's weights to the row's sum, and return them as 16 bf16 pairs in pp.
-template <int D>
-inline void softmax_tile(RowState<D>& st, __m512 s0, __m512 s1, int seen, float scale,
-                         uint32_t* pp) {
-  const __m512 vscale = _mm512_set1_ps(scale), low = _mm512_set1_ps(-1e30f);
-  const __mmask16 m0 = lanes(seen), m1 = lanes(seen - 16);
-  s0 = _mm512_mask_mul_ps(low, m0, s0, vscale);
-  s1 = _mm512_mask_mul_ps(low, m1, s1, vscale);
-  const float mx = std::max(st.m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-  if (mx > st.m) {
-    const __m512 alpha = _mm512_set1_ps(std::exp(st.m - mx));
-    for (int c = 0; c < D; c += 16)
-      _mm512_store_ps(st.o + c, _mm512_mul_ps(_mm512_load_ps(st.o + c), alpha));
-    _mm512_store_ps(st.l, _mm512_mul_ps(_mm512_load_ps(st.l), alpha));
-    st.m = mx;
-  }
-  const __m512 vm = _mm512_set1_ps(mx);
-  const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_ps(_mm512_sub_ps(s0, vm)));
-  const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_ps(_mm512_sub_ps(s1, vm)));
-  _mm512_store_ps(st.l, _mm512_add_ps(_mm512_load_ps(st.l), _mm512_add_ps(p0, p1)));
-  const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);
-  _mm512_store_si512(pp, reinterpret_cast<const __m512i&>(pb));
-}
-
-template <int D, int NR>
-inline void rows_tile(const uint32_t* const* qp, RowState<D>* const* st, const int* seen,
-                      const Tile<D>& tile, float scale) {
-  __m512 s[NR][2];
-  tile_scores<D, NR>(qp, tile, s);
-  alignas(64) uint32_t pp[NR][KT / 2];
-  const uint32_t* pr[NR];
-  float* o[NR];
-  for (int r = 0; r < NR; ++r) {
-    softmax_tile<D>(*st[r], s[r][0], s[r][1], seen[r], scale, pp[r]);
-    pr[r] = pp[r];
-    o[r] = st[r]->o;
-  }
-  tile_values<D, NR>(pr, tile, o);
+// One register block of R rows against the tile's first NV key vectors.
+template <int D, int R, int NV>
+void register_block(Row<D>* rows, const Tile<D>& t, const int* seen, bool masked, float c,
+                    float rescale_raw) {
+  __m512 s[R][NV];
+  scores<D, R, NV>(rows, t, s);
+  alignas(64) uint32_t pb[R][KT / 2];
+  for (int r = 0; r < R; ++r)
+    softmax_row<D, NV>(rows[r], s[r], seen[r], masked, c, rescale_raw, pb[r]);
+  values<D, R, NV>(rows, t, pb);
 }
 
 template <int D>
-void prefill_block(const uint16_t* q, const uint16_t* kbase, const uint16_t* vbase,
-                   const int64_t* table, int64_t S, int64_t ctx, int64_t row0, int64_t q0,
-                   int64_t nq, int64_t H, int64_t h, int64_t G, float scale, uint16_t* out,
-                   std::vector<RowState<D>>& rows, Tile<D>& tile) {
-  const int64_t R = nq * G;  // row r: query q0 + r / G of the chunk, head h * G + r % G
-  rows.resize(R);
-  for (auto& st : rows) {
-    std::memset(st.o, 0, sizeof st.o);
-    std::memset(st.l, 0, sizeof st.l);
-    st.m = -1e30f;
+using BlockFn = void (*)(Row<D>*, const Tile<D>&, const int*, bool, float, float);
+
+template <int D, int R>
+BlockFn<D> pick_nv(int nv) {
+  switch (nv) {
+    case 1: return &register_block<D, R, 1>;
+    case 2: return &register_block<D, R, 2>;
+    case 3: return &register_block<D, R, 3>;
+    default: return &register_block<D, R, 4>;
   }
-  const auto qrow = [&](int64_t r) {
-    return reinterpret_cast<const uint32_t*>(q + ((row0 + q0 + r / G) * H + h * G + r % G) * D);
-  };
-  const int64_t keys = ctx + q0 + nq;  // the last query's keys
-  for (int64_t l0 = 0; l0 < keys; l0 += KT) {
-    const int nk = static_cast<int>(std::min<int64_t>(KT, keys - l0));
-    tile.load(kbase, vbase, table, S, l0, nk);
-    if (l0 + KT < keys) prefetch_tile<D>(kbase, vbase, table, S, l0 + KT, keys);
-    // keys of this tile that row r's query sees (<= 0: the tile is in its future)
-    const auto seen_by = [&](int64_t r) {
-      return static_cast<int>(std::min<int64_t>(nk, ctx + q0 + r / G + 1 - l0));
-    };
-    for (int64_t r = 0; r < R;) {  // two rows at a time where both see this tile
-      const int sa = seen_by(r), sb = r + 1 < R ? seen_by(r + 1) : 0;
-      if (sa > 0 && sb > 0) {
-        const uint32_t* qp[2] = {qrow(r), qrow(r + 1)};
-        RowState<D>* st[2] = {&rows[r], &rows[r + 1]};
-        const int seen[2] = {sa, sb};
-        rows_tile<D, 2>(qp, st, seen, tile, scale);
-        r += 2;
-      } else {
-        if (sa > 0) {
-          const uint32_t* qp[1] = {qrow(r)};
-          RowState<D>* st[1] = {&rows[r]};
-          rows_tile<D, 1>(qp, st, &sa, tile, scale);
-        }
-        r += 1;
-      }
-    }
+}
+
+template <int D>
+BlockFn<D> pick(int rows, int nv) {
+  switch (rows) {
+    case 1: return pick_nv<D, 1>(nv);
+    case 2: return pick_nv<D, 2>(nv);
+    case 3: return pick_nv<D, 3>(nv);
+    case 4: return pick_nv<D, 4>(nv);
+    case 5: return pick_nv<D, 5>(nv);
+    default: return pick_nv<D, MR>(nv);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const RowState<D>& st = rows[r];
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(st.l)));
-    uint16_t* dst = out + ((row0 + q0 + r / G) * H + h * G + r % G) * D;
+}
+
+// Where one task's rows are: chunk rows row0 + q0 .. + nq, KV head h (query heads h*G..).
+struct Block {
+  const int64_t* table;
+  int64_t ctx, row0, q0, nq, h;
+};
+
+template <int D>
+void init_rows(const PrefillArgs& a, const Block& b, int64_t G, std::vector<Row<D>>& rows) {
+  rows.resize(b.nq * G);  // row r: query q0 + r / G of the chunk, head h * G + r % G
+  for (size_t r = 0; r < rows.size(); ++r) {
+    Row<D>& row = rows[r];
+    std::memset(row.o, 0, sizeof row.o);
+    std::memset(row.l, 0, sizeof row.l);
+    std::memcpy(row.q, a.q + ((b.row0 + b.q0 + r / G) * a.H + b.h * G + r % G) * D, D * 2);
+    row.m = LOW;
+  }
+}
+
+template <int D>
+void finish_rows(const PrefillArgs& a, const Block& b, int64_t G,
+                 const std::vector<Row<D>>& rows) {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const Row<D>& row = rows[r];
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(row.l)));
+    uint16_t* dst = a.out + ((b.row0 + b.q0 + r / G) * a.H + b.h * G + r % G) * D;
     for (int c = 0; c < D; c += 16) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(st.o + c), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), reinterpret_cast<const __m256i&>(o));
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row.o + c), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                          reinterpret_cast<const __m256i&>(o));
     }
   }
 }
 
-// Task order: the blocks of a chunk alternate between its start and its end (0, n-1, 1,
-// n-2, ...), so that the contiguous ranges at::parallel_for hands each thread mix short
-// (early, less context) and long blocks.
-inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
-
 template <int D>
-void prefill(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pages,
-             const int64_t* page_lo, const int64_t* starts, const int64_t* num_new,
-             const int64_t* ctx, uint16_t* out, int64_t C, int64_t H, int64_t KVH, int64_t P,
-             int64_t S, float scale) {
-  const int64_t G = H / KVH;
-  std::vector<int64_t> first(C + 1, 0);  // tasks before chunk c
-  for (int64_t c = 0; c < C; ++c) first[c + 1] = first[c] + (num_new[c] + QB - 1) / QB * KVH;
-  at::parallel_for(0, first[C], 1, [&](int64_t begin, int64_t end) {
-    std::vector<RowState<D>> rows;
-    auto tile = std::make_unique<Tile<D>>();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-      const int64_t blocks = (num_new[c] + QB - 1) / QB;
-      const int64_t local = task - first[c];
-      const int64_t h = local % KVH, b = zigzag(local / KVH, blocks);
-      const int64_t q0 = b * QB, nq = std::min<int64_t>(QB, num_new[c] - q0);
-      prefill_block<D>(q, kc + h * P * S * D, vc + h * P * S * D, pages + page_lo[c], S,
-                       ctx[c], starts[c], q0, nq, H, h, G, scale, out, rows, *tile);
+void attend_block(const PrefillArgs& a, const Block& b, int64_t G, std::vector<Row<D>>& rows,
+                  Tile<D>& tile) {
+  init_rows<D>(a, b, G, rows);
+  const int64_t R = b.nq * G;
+  const int64_t before = b.ctx + b.q0;  // keys before the block's first query
+  const float c = a.scale * LOG2E, rescale_raw = RESCALE_AT / c;
+  const uint16_t* kbase = a.k + b.h * a.P * a.S * D;
+  const uint16_t* vbase = a.v + b.h * a.P * a.S * D;
+  const int64_t keys = before + b.nq;  // the last query's keys
+  int64_t off[2][KT];  // this tile's key offsets and the next one's (for the prefetch)
+  key_offsets(b.table, a.S, D, 0, static_cast<int>(std::min<int64_t>(KT, keys)), off[0]);
+  for (int64_t l0 = 0, i = 0; l0 < keys; l0 += KT, i ^= 1) {
+    const int nk = static_cast<int>(std::min<int64_t>(KT, keys - l0));
+    tile.load(kbase, vbase, off[i], nk);
+    if (l0 + KT < keys) {
+      const int next = static_cast<int>(std::min<int64_t>(KT, keys - l0 - KT));
+      key_offsets(b.table, a.S, D, l0 + KT, next, off[i ^ 1]);
+      prefetch_keys<D>(kbase, vbase, off[i ^ 1], next);
     }
-  });
+    // rows before the first query at or past l0 see none of this tile
+    for (int64_t r = std::max<int64_t>(0, l0 - before) * G; r < R;) {
+      const int64_t left = R - r;  // split what is left into blocks of at most MR, evenly
+      const int n = static_cast<int>(left <= MR ? left : left >= 2 * MR ? MR : (left + 1) / 2);
+      int seen[MR];  // keys of the tile each row sees (>= 1, rising with r)
+      for (int i = 0; i < n; ++i)
+        seen[i] = static_cast<int>(std::min<int64_t>(nk, before + (r + i) / G + 1 - l0));
+      const int nv = (seen[n - 1] + 15) / 16;
+      pick<D>(n, nv)(&rows[r], tile, seen, seen[0] < 16 * nv, c, rescale_raw);
+      r += n;
+    }
+  }
+  finish_rows<D>(a, b, G, rows);
 }
+
+// One task: chunk c's queries q0 .. q0 + nq - 1 against KV head h; cost ~ rows x keys.
+struct Task {
+  int64_t c, q0, nq, h, cost;
+};
+
+// Every task of the call, the most expensive first (a chunk's last blocks see the most keys).
+inline std::vector<Task> tasks_of(const PrefillArgs& a, int64_t G, int64_t QB) {
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < a.C; ++c)
+    for (int64_t q0 = 0; q0 < a.num_new[c]; q0 += QB) {
+      const int64_t nq = std::min<int64_t>(QB, a.num_new[c] - q0);
+      for (int64_t h = 0; h < a.KVH; ++h)
+        tasks.push_back({c, q0, nq, h, nq * G * (a.ctx[c] + q0 + nq)});
+    }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+struct Run {
+  template <int D>
+  void operator()(const PrefillArgs& a) const {
+    const int64_t G = a.H / a.KVH, QB = std::max<int64_t>(1, ROWS / G);
+    const std::vector<Task> tasks = tasks_of(a, G, QB);
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    // each thread takes the next task when it is done with one (longest first): a static
+    // split of tasks whose costs differ by the context they see leaves threads idle
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      std::vector<Row<D>> rows;
+      auto tile = std::make_unique<Tile<D>>();
+      for (int64_t i = next++; i < n; i = next++) {
+        const Task& t = tasks[i];
+        const Block b{a.pages + a.page_lo[t.c], a.ctx[t.c], a.starts[t.c], t.q0, t.nq, t.h};
+        attend_block<D>(a, b, G, rows, *tile);
+      }
+    });
+  }
+};
 
 }  // namespace
 
@@ -327,38 +301,8 @@ void prefill_attention(torch::Tensor& out, const torch::Tensor& q, const torch::
                        const torch::Tensor& v_cache, const torch::Tensor& pages,
                        const torch::Tensor& page_lo, const torch::Tensor& starts,
                        const torch::Tensor& num_new, const torch::Tensor& ctx, double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 &&
-              k_cache.sizes() == v_cache.sizes());
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-              k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention: bf16 only");
-  for (const auto* t : {&pages, &page_lo, &starts, &num_new, &ctx})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous());
-  const int64_t H = q.size(1), D = q.size(2), C = starts.size(0);
-  const int64_t KVH = k_cache.size(0), P = k_cache.size(1), S = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0 && page_lo.size(0) == C &&
-              num_new.size(0) == C && ctx.size(0) == C);
-  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kd = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* vd = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float s = static_cast<float>(scale);
-  const int64_t* args[] = {pages.data_ptr<int64_t>(), page_lo.data_ptr<int64_t>(),
-                           starts.data_ptr<int64_t>(), num_new.data_ptr<int64_t>(),
-                           ctx.data_ptr<int64_t>()};
-  const auto run = [&](auto d) {
-    prefill<decltype(d)::value>(qd, kd, vd, args[0], args[1], args[2], args[3], args[4], od, C,
-                                H, KVH, P, S, s);
-  };
-  switch (D) {
-    case 32: return run(std::integral_constant<int, 32>{});
-    case 64: return run(std::integral_constant<int, 64>{});
-    case 128: return run(std::integral_constant<int, 128>{});
-    case 256: return run(std::integral_constant<int, 256>{});
-    default: TORCH_CHECK(false, "prefill_attention: head_dim ", D, " not built (32-256)");
-  }
+  dispatch_prefill("prefill_attention", Run{}, out, q, k_cache, v_cache, pages, page_lo, starts,
+                   num_new, ctx, scale);
 }
 
 #else  // no AVX512_BF16: prefill attention stays in PyTorch
