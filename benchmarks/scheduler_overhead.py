@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import LongestPrefixMatch
+from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.request import Request, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the baselines

@@ -6,7 +6,8 @@ pass that scores every waiting request afresh."""
 from __future__ import annotations
 
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import AgedPrefixOrder, LongestPrefixMatch
+from hlserve.engine.policies.lpm import LongestPrefixMatch
+from hlserve.engine.policies.order import AgedPrefixOrder
 from hlserve.request import Request
 
 

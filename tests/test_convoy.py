@@ -14,7 +14,7 @@ import threading
 
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
-from hlserve.engine.policies import Admit
+from hlserve.engine.policies.admission import Admit
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import SamplingParams
 from support import HistoryRunner
@@ -122,7 +122,7 @@ def test_offline_max_tokens_beyond_the_context_does_not_hang(tiny_llama) -> None
     sched = eng.scheduler
     verdicts: list[tuple[int, str]] = []  # (pass, verdict) of every admission decision
     busiest = 0
-    decide = sched.admission.decide
+    decide = sched.admission.policy.decide
 
     def traced_decide(q, kv):
         nonlocal busiest
@@ -132,7 +132,7 @@ def test_offline_max_tokens_beyond_the_context_does_not_hang(tiny_llama) -> None
         busiest = max(busiest, len(sched.running) + (verdict == Admit.YES))
         return verdict
 
-    sched.admission.decide = traced_decide
+    sched.admission.policy.decide = traced_decide
     lengths = [40, 44, 20, 44, 8, 30, 4, 6]
     max_tokens = [1000] * 6 + [8, 8]  # six past the context, then two short ones
     prompts = [[(7 * i + j) % 50 + 3 for j in range(n)] for i, n in enumerate(lengths)]

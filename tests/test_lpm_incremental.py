@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hlserve.engine import policies
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import AgedPrefixOrder, LongestPrefixMatch, _keys_exact
+from hlserve.engine.policies import lpm
+from hlserve.engine.policies.lpm import LongestPrefixMatch, _keys_exact
+from hlserve.engine.policies.order import AgedPrefixOrder
 from hlserve.request import Request, SamplingParams
 from kv_support import FullPassLPM, plain_radix_walk_order, release_cached
 
@@ -186,7 +187,7 @@ def test_many_changes_at_once_take_the_sort_path(seed: int, monkeypatch: pytest.
     """Past a few key changes a pass filters and merges the whole ranking instead of moving
     keys one by one; at these queue sizes only a lowered threshold gets there (here every
     change, a forget's included, takes that path)."""
-    monkeypatch.setattr(policies, "_BISECT_MAX", -(10**9))
+    monkeypatch.setattr(lpm, "_BISECT_MAX", -(10**9))
     _run(seed, 4.0, fcfs_fallback=None)
 
 

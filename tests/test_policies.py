@@ -17,15 +17,10 @@ from hlserve import LLM
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import (
-    LIFO,
-    EMABudget,
-    FewestGenerated,
-    LongestPrefixMatch,
-    PriorityVictim,
-    RatchetBudget,
-    TwoStage,
-)
+from hlserve.engine.policies.budget import EMABudget, RatchetBudget
+from hlserve.engine.policies.lpm import LongestPrefixMatch
+from hlserve.engine.policies.mixing import MixState, TwoStage
+from hlserve.engine.policies.retraction import LIFO, FewestGenerated, PriorityVictim
 from hlserve.engine.presets import DeviceInfo, preset_options, resolve_options
 from hlserve.errors import InvalidRequestError
 from hlserve.request import Request, RequestClass, SamplingParams
@@ -142,7 +137,6 @@ def test_two_stage_switches_to_decode_drains_and_returns() -> None:
 
 
 def test_two_stage_policy_hysteresis_unit() -> None:
-    from hlserve.engine.policies import MixState
 
     ts = TwoStage(high=0.9, low=0.7)
     assert ts.plan(MixState(0.95, pending_prefill_pages=10, evictable_pages=50, num_decoding=4)) \

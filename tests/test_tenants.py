@@ -7,7 +7,7 @@ from __future__ import annotations
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies import LongestPrefixMatch
+from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import Request, SamplingParams
 from kv_support import release_cached, reset_prefix_cache

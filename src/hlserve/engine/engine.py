@@ -17,7 +17,7 @@ from typing import Any
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.presets import describe_caps
+from hlserve.engine.policies.caps import HostCaps, describe_caps
 from hlserve.engine.scheduler import Scheduler
 from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.request import (
@@ -96,10 +96,9 @@ class Engine:
         self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self._advance = getattr(clock, "advance", None)
-        self.caps_report = describe_caps(
-            config, self.kv.num_pages, self.kv.page_size, self.max_model_len,
-            self.scheduler.budget_controller.budget,
-        )
+        self.caps_report = describe_caps(config, HostCaps(
+            f"hlserve engine caps (preset: {config.preset or 'none'}):", self.kv.num_pages,
+            self.kv.page_size, self.max_model_len), self.scheduler.budget_controller)
         log.info("%s", self.caps_report)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hlserve.config import EngineConfig
-
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -110,37 +108,3 @@ def resolve_options(options: dict[str, Any], dev: DeviceInfo | None = None) -> d
     merged["preset"] = preset
     return merged
 
-
-# knob -> (kind, why); kind is what throughput mode may remove (latency) or must keep (safety)
-CAPS: dict[str, tuple[str, str]] = {
-    "chunk_size": ("latency", "bounds each prefill chunk so decodes are not stalled (TTFT of others)"),
-    "token_budget": ("latency", "bounds tokens per iteration (TPOT)"),
-    "prefill_delay": ("latency", "holds new prefill while decodes run (TPOT)"),
-    "max_chunked_prefills": ("latency", "requests mid-chunk at once"),
-    "interactive_chunk_size": ("latency", "chunk size while an interactive request waits or decodes"),
-    "interactive_token_budget": ("latency", "iteration budget while an interactive request decodes"),
-    "max_num_seqs": ("safety", "running-request limit"),
-    "max_model_len": ("safety", "longest sequence the model and KV hold"),
-    "max_prefill_tokens": ("safety", "prefill tokens per iteration (activation memory)"),
-}
-
-
-def describe_caps(config: EngineConfig, num_pages: int, page_size: int, max_model_len: int,
-                  budget_start: float) -> str:
-    """One block that lists every cap in force, so a run can be reproduced from its log."""
-    lines = [f"hlserve engine caps (preset: {config.preset or 'none'}):"]
-    for name, (kind, why) in CAPS.items():
-        value: Any = max_model_len if name == "max_model_len" else getattr(config, name)
-        if name == "token_budget" and config.budget_controller != "fixed":
-            value = f"{config.budget_controller} controller, start {budget_start:.0f}"
-        if name.startswith("interactive_"):
-            why += " (only when interactive traffic is present)"
-        shown = "off" if value is None else value
-        lines.append(f"  {kind:<7} {name:<26} {shown!s:<28} {why}")
-    lines.append(f"  safety  {'kv_pool':<26} {f'{num_pages} pages x {page_size} tokens':<28} "
-                 f"KV capacity ({num_pages * page_size} tokens)")
-    lines.append(f"  policy  mixing={config.mixing} order={config.order} admission="
-                 f"{config.admission} retraction={config.retraction} "
-                 f"prefix_caching={config.enable_prefix_caching} "
-                 f"default_class={config.default_request_class}")
-    return "\n".join(lines)

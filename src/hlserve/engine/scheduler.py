@@ -21,38 +21,48 @@ It knows nothing about tensors or time sources (iteration times reach it only th
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, ScheduledSeq
 from hlserve.engine.kv_cache import KVCacheManager, Node
-from hlserve.engine.policies import (
-    Admit,
-    AdmitQuery,
-    MixState,
-    make_admission,
-    make_budget_controller,
-    make_mixing,
-    make_order,
-    make_retraction,
+from hlserve.engine.policies.admission import Admission, Admit, AdmitPass, Candidate
+from hlserve.engine.policies.budget import make_budget_controller
+from hlserve.engine.policies.caps import (
+    StepCaps,
+    chunk_tokens,
+    interactive_presence,
+    step_caps,
 )
+from hlserve.engine.policies.lpm import make_order
+from hlserve.engine.policies.mixing import MixState, make_mixing, mix_state
+from hlserve.engine.policies.order import interactive_first
+from hlserve.engine.policies.retraction import make_retraction
 from hlserve.request import Request, RequestClass, RequestStatus
 
 INTERACTIVE = RequestClass.INTERACTIVE
 # SGLang's estimate of how much of its max_tokens a running request will still use
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_STEPS = 0.7, 0.098, 600
 SHARED_SPAN_PAGES = 2  # uncached pages two requests must share for one to wait for the other
-# backfilling admission: passes a request may wait while others overtake it before its pages
-# are held back for it, and how many waiting requests one pass looks past (a pass over
-# thousands waiting must stay cheap)
-BACKFILL_PATIENCE_STEPS = 256
-BACKFILL_MAX_SKIPS = 32
 
 
-def _cap(value: int | None) -> float:
-    return math.inf if value is None else value
+def _is_interactive(r: Request) -> bool:
+    return r.request_class is INTERACTIVE
+
+
+def _is_decoding(r: Request) -> bool:
+    return not r.in_prefill
+
+
+@dataclass(slots=True)
+class _Admitting:
+    """What deciding found out about a waiting request, which committing its admission uses."""
+
+    candidate: Candidate
+    tokens: list[int]
+    nodes: list[Node]
 
 
 class Scheduler:
@@ -63,7 +73,7 @@ class Scheduler:
         self.max_model_len = max_model_len or config.max_model_len
         self.order = make_order(config, kv)
         self.mixing = make_mixing(config)
-        self.admission = make_admission(config)
+        self.admission = Admission(config, self.max_model_len)
         self.retraction = make_retraction(config)
         self.budget_controller = make_budget_controller(config, kv.num_pages * kv.page_size)
         self.waiting: list[Request] = []
@@ -73,7 +83,7 @@ class Scheduler:
         self.num_retractions = 0
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._last_admit_step = -(10**9)
-        self._waiting_since: dict[str, int] = {}  # backfill: first pass a request was held
+        self.caps = StepCaps(math.inf, 0)  # the last pass's caps (before it spent its budget)
         # per-pass state
         self._budget: float = 0
         self._chunk: float = math.inf
@@ -99,7 +109,7 @@ class Scheduler:
     def _forget(self, req: Request) -> None:
         """The request left the waiting queue (admitted, rejected or ended)."""
         self.order.forget(req)
-        self._waiting_since.pop(req.request_id, None)
+        self.admission.forget(req.request_id)
 
     def _commit(self, req: Request) -> None:
         """Put the request's newly full, computed pages into the prefix tree, handing the KV
@@ -120,7 +130,8 @@ class Scheduler:
     # ---- the pass -----------------------------------------------------------------------
     def schedule(self) -> Batch:
         self.step += 1
-        self._chunk, self._budget = self._caps()
+        self.caps = self._caps()
+        self._chunk, self._budget = self.caps
         self._prefill_tokens = 0
         self._scheduled = {}
         self._retracted = False
@@ -137,31 +148,15 @@ class Scheduler:
                 self._schedule_running(prefill=False, decode=True)
         return Batch(seqs=list(self._scheduled.values()))
 
-    def _caps(self) -> tuple[float, float]:
+    def _caps(self) -> StepCaps:
         """Chunk size and token budget of this iteration."""
-        chunk = _cap(self.config.chunk_size)
-        budget = self.budget_controller.budget
-        if not any(r.request_class is INTERACTIVE for r in itertools.chain(self.running, self.waiting)):
-            return chunk, budget  # nobody is waiting: pure throughput
-        ichunk = _cap(self.config.interactive_chunk_size)
-        if any(r.request_class is INTERACTIVE and not r.in_prefill for r in self.running):
-            # an interactive request decodes in this iteration: bound its length (TPOT)
-            return min(chunk, ichunk), min(budget, _cap(self.config.interactive_token_budget))
-        # one waits for its first token: chunk others' prefill so it gets in soon (TTFT)
-        return min(chunk, ichunk), budget
+        presence = interactive_presence(self.running, self.waiting, _is_interactive, _is_decoding)
+        return step_caps(self.config, self.budget_controller.budget, presence)
 
     def _mix_state(self) -> MixState:
-        if not getattr(self.mixing, "needs_state", False):
-            return MixState(0.0, 0, 0, 0)
-        ps = self.kv.page_size
-        pending = decoding = 0
-        for r in itertools.chain(self.waiting, self.running):
-            n = r.num_uncomputed
-            if r.status is RequestStatus.WAITING or n > 1:
-                pending += -(-n // ps)
-            else:
-                decoding += 1
-        return MixState(self.kv.usage, pending, self.kv.num_evictable, decoding)
+        return mix_state(self.mixing, self.kv.usage, self.kv.num_evictable, self.kv.page_size,
+                         (r.num_uncomputed for r in self.waiting),
+                         (r.num_uncomputed for r in self.running))
 
     def _schedule_running(self, prefill: bool, decode: bool) -> None:
         """Decodes first, then chunks of requests mid-prefill, so that a chunk takes what the
@@ -183,7 +178,7 @@ class Scheduler:
             for req in prefilling:
                 if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
                     continue  # retracted earlier in this pass
-                n = int(min(req.num_uncomputed, self._chunk, self._budget))
+                n = chunk_tokens(req.num_uncomputed, self._chunk, self._budget)
                 if n >= 1 and self._reserve(req, req.num_computed + n):
                     self._add(req, n)
 
@@ -221,12 +216,7 @@ class Scheduler:
         self._retracted = True
 
     def _waiting_order(self) -> Iterator[Request]:
-        inter = [r for r in self.waiting if r.request_class is INTERACTIVE]
-        if not inter:
-            return self.order.order(self.waiting, self.step)
-        rest = [r for r in self.waiting if r.request_class is not INTERACTIVE]
-        inter.sort(key=lambda r: (r.priority, r.arrival_time))
-        return itertools.chain(inter, self.order.order(rest, self.step))
+        return interactive_first(self.waiting, _is_interactive, self.order, self.step)
 
     def _admit_waiting(self) -> None:
         cfg = self.config
@@ -235,76 +225,72 @@ class Scheduler:
         if cfg.prefill_delay and self.step - self._last_admit_step < cfg.prefill_delay \
                 and any(not r.in_prefill for r in self.running):
             return  # the delayer holds new prefill to protect running decodes
-        ps = self.kv.page_size
-        mid_chunk = sum(1 for r in self.running if r.in_prefill)
-        span = SHARED_SPAN_PAGES * ps
+        ap = self.admission.begin(self.step, len(self.running),
+                                  sum(1 for r in self.running if r.in_prefill))
         computing: set[tuple[Node | str | None, tuple[int, ...]]] = set()  # (where, next tokens) in prefill
-        held_back = skips = 0  # backfill: pages kept for long-waiting requests; requests passed
         for req in list(self._waiting_order()):
-            if len(self.running) >= cfg.max_num_seqs or self._budget < 1:
+            if ap.full(self._budget, self._prefill_tokens):
                 break
-            if cfg.max_prefill_tokens is not None and self._prefill_tokens >= cfg.max_prefill_tokens:
-                break  # SGLang's cap: the first prefill of an iteration may exceed it
-            if self._follows_leader(req):
-                continue
-            tokens = req.all_token_ids
-            nodes = self.kv.match_prefix(tokens, len(tokens) - 1, req.cache_salt)
-            cached = len(nodes) * ps
-            n = int(min(len(tokens) - cached, self._chunk, self._budget))
-            if cfg.defer_shared_prefill and len(tokens) - cached >= span:
-                # in-batch prefix sharing: a request whose next uncached tokens another
-                # request is prefilling in this very iteration waits one iteration and then
-                # finds them cached, instead of computing them a second time
-                run = (nodes[-1] if nodes else req.cache_salt, tuple(tokens[cached : cached + span]))
-                if run in computing:
-                    continue
-                computing.add(run)
-            if n < len(tokens) - cached and cfg.max_chunked_prefills is not None \
-                    and mid_chunk >= cfg.max_chunked_prefills:
+            verdict, adm = self._decide_admission(req, ap, computing)
+            if verdict == Admit.STOP:
                 break
-            chunk_pages = self.kv.pages_for(cached + n) - len(nodes)
-            # matched pages nobody holds are counted as evictable now but get locked
-            headroom = self.kv.available() - sum(1 for nd in nodes if nd.ref == 0) - held_back
-            reserved = self._reserved_pages() if self.admission.reserves else 0
-            query = AdmitQuery(req, cached, chunk_pages, headroom, reserved, len(self.running),
-                               self.max_model_len)
-            verdict = self.admission.decide(query, self.kv)
             if verdict == Admit.REJECT:
                 self.waiting.remove(req)
                 self._forget(req)
                 self.rejected.append(req)
-                continue
-            if verdict == Admit.WAIT and not self.running and self.kv.num_used == 0:
-                verdict = Admit.YES  # no policy may hold an idle pool: alone, it is admitted
-            if verdict == Admit.WAIT or chunk_pages > headroom:
-                if not self.admission.backfill:
-                    break
-                # backfill: those behind it that fit go first; once it has waited long, its
-                # pages are held back from them, so it is not starved
-                since = self._waiting_since.setdefault(req.request_id, self.step)
-                if self.step - since >= BACKFILL_PATIENCE_STEPS:
-                    held_back += min(max(headroom, 0), self.admission.need_pages(query, self.kv))
-                skips += 1
-                if skips >= BACKFILL_MAX_SKIPS:
-                    break
-                continue
-            cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=nodes,
-                                   salt=req.cache_salt)
-            req.num_prefix_queries += len(tokens)
-            req.num_prefix_hits += cached
-            ok = self.kv.allocate(req.request_id, cached + n)
-            assert ok, "admission checked the pool"
-            if req.num_retractions == 0:
-                req.num_cached_prompt = cached
-            req.num_computed = cached
-            req.status = RequestStatus.RUNNING
-            self.waiting.remove(req)
-            self._forget(req)
-            self.running.append(req)
-            self._add(req, n)
-            self._last_admit_step = self.step
-            if n < len(tokens) - cached:
-                mid_chunk += 1
+            elif verdict == Admit.YES:
+                assert adm is not None
+                self._commit_admission(req, adm)
+                ap.admitted(adm.candidate)
+
+    def _decide_admission(self, req: Request, ap: AdmitPass,
+                          computing: set[tuple[Node | str | None, tuple[int, ...]]],
+                          ) -> tuple[str, _Admitting | None]:
+        """Whether ``req`` is admitted now: the pass's verdict, and what committing needs.
+        ``Admit.WAIT`` with nothing: skipped here (a sibling behind its leader, or a prefix
+        another request prefills in this very iteration)."""
+        cfg, ps = self.config, self.kv.page_size
+        if self._follows_leader(req):
+            return Admit.WAIT, None
+        tokens = req.all_token_ids
+        nodes = self.kv.match_prefix(tokens, len(tokens) - 1, req.cache_salt)
+        cached = len(nodes) * ps
+        n = chunk_tokens(len(tokens) - cached, self._chunk, self._budget)
+        span = SHARED_SPAN_PAGES * ps
+        if cfg.defer_shared_prefill and len(tokens) - cached >= span:
+            # in-batch prefix sharing: a request whose next uncached tokens another
+            # request is prefilling in this very iteration waits one iteration and then
+            # finds them cached, instead of computing them a second time
+            run = (nodes[-1] if nodes else req.cache_salt, tuple(tokens[cached : cached + span]))
+            if run in computing:
+                return Admit.WAIT, None
+            computing.add(run)
+        c = Candidate(req.request_id, len(tokens), req.params.max_tokens - len(req.output_token_ids),
+                      cached, n, self.kv.pages_for(cached + n) - len(nodes),
+                      sum(1 for nd in nodes if nd.ref == 0),
+                      self._reserved_pages() if self.admission.policy.reserves else 0)
+        verdict = ap.decide(c, self.kv.available(), self.kv.num_used, self.kv)
+        return verdict, _Admitting(c, tokens, nodes) if verdict == Admit.YES else None
+
+    def _commit_admission(self, req: Request, adm: _Admitting) -> None:
+        """Admit ``req``: lock its cached prefix, give it pages for its first chunk, and
+        schedule that chunk in this pass."""
+        tokens, n = adm.tokens, adm.candidate.num_new_tokens
+        cached = self.kv.admit(req.request_id, tokens, len(tokens) - 1, matched=adm.nodes,
+                               salt=req.cache_salt)
+        req.num_prefix_queries += len(tokens)
+        req.num_prefix_hits += cached
+        ok = self.kv.allocate(req.request_id, cached + n)
+        assert ok, "admission checked the pool"
+        if req.num_retractions == 0:
+            req.num_cached_prompt = cached
+        req.num_computed = cached
+        req.status = RequestStatus.RUNNING
+        self.waiting.remove(req)
+        self._forget(req)
+        self.running.append(req)
+        self._add(req, n)
+        self._last_admit_step = self.step
 
     def _follows_leader(self, req: Request) -> bool:
         """A forked sibling (n > 1) waits until its leader has prefilled the shared prompt:

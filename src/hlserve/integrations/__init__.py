@@ -2,6 +2,7 @@
 
 - ``hlserve.integrations.vllm``: ``ThroughputScheduler``, a vLLM scheduler plugin
   (``--scheduler-cls hlserve.integrations.vllm.ThroughputScheduler``; needs vLLM installed).
-- ``hlserve.integrations.plugin_policy``: that plugin's decisions that do not need vLLM
-  (options, per-step caps, backpressure, the start-up block), tested without it.
+- ``hlserve.integrations.plugin_policy``: that plugin's half that does not need vLLM (its
+  options as an ``EngineConfig``, each step's plan from hlserve's policy core in
+  ``hlserve.engine.policies``, the start-up block, the trace), tested without it.
 """

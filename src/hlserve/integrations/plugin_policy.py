@@ -1,25 +1,40 @@
-"""The vLLM plugin's decisions that do not need vLLM: options, request classes, the caps of
-one step, soft backpressure, the start-up block and the per-step trace.
+"""The vLLM plugin's half that does not need vLLM: its options (an ``EngineConfig``), the
+per-step plan on a view of vLLM's queue and pool, the start-up block and the trace.
 
-``hlserve.integrations.vllm.ThroughputScheduler`` reads vLLM's state, asks these functions
-and writes the answers back into vLLM's scheduler; the stateful policies themselves (EMA
-budget, two-stage mixing, LPM with aging) are hlserve's own objects from
-``hlserve.engine.policies``. Keeping this half free of vLLM lets the suite test it where
-vLLM is not installed.
+``hlserve.integrations.vllm.ThroughputScheduler`` reads vLLM's state, asks ``PluginPolicy``
+for the step's plan and writes it into vLLM's scheduler. Every rule of the plan is
+hlserve's own, from ``hlserve.engine.policies``, the code hlserve's scheduler runs: the step
+caps (``caps.step_caps``), the two-stage switch (``mixing``), the order (``order``), the
+admission pass with backfill (``admission.AdmitPass``), the budget controller (``budget``)
+and the cap log (``caps.describe_caps``). What is here is the translation: vLLM's blocks as
+pages, its per-step knobs from the caps. Keeping this half free of vLLM lets the suite test
+it where vLLM is not installed, beside hlserve's scheduler (tests/test_policy_hosts.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import abc
 import json
 import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from hlserve.config import EngineConfig
+from hlserve.config import EngineConfig, parse_cap
+from hlserve.engine.policies.admission import Admission, Admit, Candidate, PoolShape
+from hlserve.engine.policies.budget import make_budget_controller
+from hlserve.engine.policies.caps import (
+    HostCaps,
+    StepCaps,
+    chunk_tokens,
+    describe_caps,
+    interactive_presence,
+    step_caps,
+)
+from hlserve.engine.policies.mixing import make_mixing, mix_state
+from hlserve.engine.policies.order import FCFS, AgedPrefixOrder, OrderPolicy, interactive_first
 from hlserve.engine.presets import DeviceInfo, preset_options
 
 # The plugin subclasses vLLM's scheduler and writes into its internals (the per-step token
@@ -34,8 +49,6 @@ CLASS_KEY = "request_class"  # vllm_xargs: {"request_class": "interactive"}
 TAG_KEY = "hlserve_tag"  # vllm_xargs: a label copied into the trace (tests, debugging)
 
 INTERACTIVE, AGENT = "interactive", "agent"
-# where interactive traffic stands this step (decides which latency caps apply)
-NO_INTERACTIVE, INTERACTIVE_WAITING, INTERACTIVE_DECODING = "none", "waiting", "decoding"
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -59,63 +72,40 @@ def check_vllm_version(version: str) -> None:
 
 # ---- options --------------------------------------------------------------------------------
 
-_ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-# throughput mode's own values where they differ from EngineConfig's defaults: one source
-_HLSERVE = preset_options("hlserve", DeviceInfo("cpu"))
+# throughput mode's knobs (the hlserve preset), less what vLLM does its own way: it preempts
+# the last admitted request (close to "lifo"), and it has no in-batch deferral of a prefix
+# that another request is prefilling
+_THROUGHPUT: dict[str, Any] = {**preset_options("hlserve", DeviceInfo("cpu")),
+                               "retraction": "lifo", "defer_shared_prefill": False}
+# what the plugin runs of each policy knob: throughput mode's, or vLLM's own (ablations)
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "mixing": ("two_stage", "always"), "order": ("lpm", "fcfs"),
+    "admission": ("backpressure", "chunk"), "budget_controller": ("ema", "fixed"),
+}
+
+
+def throughput_config(**knobs: Any) -> EngineConfig:
+    """Throughput mode's config with ``knobs`` changed. EngineConfig checks every value; the
+    plugin checks only that it runs the policies named."""
+    config = EngineConfig(model="", **{**_THROUGHPUT, **knobs})
+    for name, allowed in SUPPORTED.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"the vLLM plugin runs {name} {' or '.join(allowed)}, got "
+                             f"{getattr(config, name)!r}")
+    return config
 
 
 @dataclass(frozen=True)
 class PluginOptions:
-    """Knobs of the plugin, named as hlserve's engine names them (``EngineConfig``), with
-    throughput mode's defaults. Each policy can be switched back to vLLM's own behaviour
-    (``mixing="always"``, ``order="fcfs"``, ``admission="vllm"``,
+    """The plugin's options: throughput mode's ``EngineConfig`` (its knobs named, defaulted
+    and checked as in hlserve's engine; what vLLM sets itself is filled in at start-up by
+    ``plugin_config``), and the plugin's two own options. Each policy can be switched back to
+    vLLM's own behaviour (``mixing="always"``, ``order="fcfs"``, ``admission="chunk"``,
     ``budget_controller="fixed"``) for ablations."""
 
-    mixing: str = "two_stage"  # two_stage | always (vLLM's)
-    order: str = "lpm"  # lpm | fcfs (vLLM's)
-    admission: str = "backpressure"  # backpressure | vllm (vLLM's: admit when it fits now)
-    budget_controller: str = "ema"  # ema | fixed (vLLM's max_num_batched_tokens every step)
-    two_stage_high: float = _ENGINE["two_stage_high"]
-    two_stage_low: float = _ENGINE["two_stage_low"]
-    lpm_aging: float = _HLSERVE["lpm_aging"]
-    ema_alpha: float = _ENGINE["ema_alpha"]
-    budget_warmup: int = _ENGINE["budget_warmup"]
-    budget_min: int = _ENGINE["budget_min"]
-    budget_max: int | None = None  # None: vLLM's --max-num-batched-tokens (its hard cap)
-    budget_start: int | None = None  # None: the ceiling, as in hlserve's throughput mode
-    default_request_class: str = _ENGINE["default_request_class"]
-    interactive_chunk_size: int | None = _ENGINE["interactive_chunk_size"]
-    interactive_token_budget: int | None = _ENGINE["interactive_token_budget"]
+    config: EngineConfig = field(default_factory=throughput_config)
     interactive_priority: int | None = None  # requests with priority <= this are interactive
     trace: str | None = None  # JSONL file: one line per step (decisions and its forward time)
-
-    def __post_init__(self) -> None:
-        for name, allowed in (("mixing", ("two_stage", "always")), ("order", ("lpm", "fcfs")),
-                              ("admission", ("backpressure", "vllm")),
-                              ("budget_controller", ("ema", "fixed")),
-                              ("default_request_class", (AGENT, INTERACTIVE))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"hlserve option {name} must be one of {allowed}, "
-                                 f"got {getattr(self, name)!r}")
-        if not 0 < self.two_stage_low < self.two_stage_high <= 1:
-            raise ValueError("hlserve options need 0 < two_stage_low < two_stage_high <= 1")
-        if not 0 < self.ema_alpha <= 1:
-            raise ValueError(f"hlserve option ema_alpha must be in (0, 1], got {self.ema_alpha}")
-        for name in ("budget_min", "budget_max", "budget_start", "interactive_chunk_size",
-                     "interactive_token_budget"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"hlserve option {name} must be >= 1 or unset, got {value}")
-        if self.budget_warmup < 0 or self.lpm_aging < 0:
-            raise ValueError("hlserve options budget_warmup and lpm_aging must be >= 0")
-
-
-def _optional(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def parse(v: Any) -> Any:
-        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "off")):
-            return None
-        return conv(v)
-    return parse
 
 
 def _integer(v: Any) -> int:
@@ -124,16 +114,27 @@ def _integer(v: Any) -> int:
     return int(v)
 
 
-_PARSERS: dict[str, Callable[[Any], Any]] = {
+def _unset_or(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """An option whose absence is spelled None or "none"."""
+    def parse(v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v.strip().lower() == "none"):
+            return None
+        return conv(v)
+    return parse
+
+
+# the EngineConfig knobs a deployment sets through the plugin (vLLM's own flags give the rest:
+# its chunk threshold, running-request limit, model length and pool), and how each is read
+_KNOBS: dict[str, Callable[[Any], Any]] = {
     "mixing": str, "order": str, "admission": str, "budget_controller": str,
     "two_stage_high": float, "two_stage_low": float, "lpm_aging": float, "ema_alpha": float,
-    "budget_warmup": _integer, "budget_min": _integer, "budget_max": _optional(_integer),
-    "budget_start": _optional(_integer), "default_request_class": str,
-    "interactive_chunk_size": _optional(_integer),
-    "interactive_token_budget": _optional(_integer),
-    "interactive_priority": _optional(_integer), "trace": _optional(str),
+    "budget_warmup": _integer, "budget_min": _integer, "budget_max": parse_cap,
+    "token_budget": parse_cap, "default_request_class": str,
+    "interactive_chunk_size": parse_cap, "interactive_token_budget": parse_cap,
 }
-assert set(_PARSERS) == {f.name for f in dataclasses.fields(PluginOptions)}
+_OWN: dict[str, Callable[[Any], Any]] = {"interactive_priority": _unset_or(_integer),
+                                          "trace": _unset_or(str)}
+_PARSERS = {**_KNOBS, **_OWN}
 
 
 # HLSERVE_VLLM_* names that are not plugin options: where vLLM's environment is (.ci/run and
@@ -165,7 +166,11 @@ def parse_options(additional_config: Mapping[str, Any] | None,
             raise ValueError(f"unknown hlserve option {name!r} in --additional-config; known: "
                              f"{', '.join(_PARSERS)}")
         values[name] = _convert(name, _PARSERS[name], raw, f"--additional-config {name}")
-    return PluginOptions(**values)
+    try:
+        config = throughput_config(**{k: v for k, v in values.items() if k in _KNOBS})
+    except ValueError as e:
+        raise ValueError(f"hlserve options: {e}") from None
+    return PluginOptions(config, **{k: v for k, v in values.items() if k in _OWN})
 
 
 def _convert(name: str, parse: Callable[[Any], Any], raw: Any, where: str) -> Any:
@@ -175,7 +180,36 @@ def _convert(name: str, parse: Callable[[Any], Any], raw: Any, where: str) -> An
         raise ValueError(f"hlserve option {name} ({where}): cannot read {raw!r}: {e}") from None
 
 
-# ---- request classes and the caps of one step -----------------------------------------------
+@dataclass(frozen=True)
+class VLLMCaps:
+    """What vLLM itself sets and enforces, read from its config at start-up."""
+
+    version: str
+    model: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    num_blocks: int  # usable blocks (vLLM's null block left out)
+    block_size: int
+    long_prefill_token_threshold: int  # 0: no chunk cap
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+
+
+def plugin_config(opts: PluginOptions, caps: VLLMCaps) -> EngineConfig:
+    """The options' config completed by vLLM's own settings: the chunk size is its
+    ``--long-prefill-token-threshold``, and its running-request limit, model length, pool
+    and prefix caching are the config's; the budget's ceiling is vLLM's hard per-step cap
+    (``--max-num-batched-tokens``), lower where ``budget_max`` says so."""
+    c, hard = opts.config, caps.max_num_batched_tokens
+    return c.replace(model=caps.model, chunk_size=caps.long_prefill_token_threshold or None,
+                     max_num_seqs=caps.max_num_seqs, max_model_len=caps.max_model_len,
+                     page_size=caps.block_size, num_pages=caps.num_blocks,
+                     enable_prefix_caching=caps.enable_prefix_caching,
+                     budget_max=min(c.budget_max or hard, hard))
+
+
+# ---- request classes and vLLM's knobs -------------------------------------------------------
 
 
 def request_class(extra_args: Mapping[str, Any] | None, priority: int,
@@ -187,135 +221,214 @@ def request_class(extra_args: Mapping[str, Any] | None, priority: int,
         return cls
     if opts.interactive_priority is not None and priority <= opts.interactive_priority:
         return INTERACTIVE
-    return opts.default_request_class
+    return opts.config.default_request_class
 
 
 @dataclass(frozen=True)
-class StepCaps:
+class VLLMKnobs:
     token_budget: int  # vLLM's per-step max_num_scheduled_tokens
     chunk: int  # vLLM's long_prefill_token_threshold; 0 = no chunk cap (greedy prefill)
 
 
-def step_caps(budget: float, ceiling: int, base_chunk: int, num_decoding: int,
-              interactive: str, opts: PluginOptions) -> StepCaps:
-    """The step's budget and chunk cap, as hlserve's scheduler sets them: the controller's
-    budget and no chunk cap (or the deployment's own ``--long-prefill-token-threshold``),
-    tightened to the interactive caps only where an interactive request would feel the
-    others' prefill: its chunk cap while it waits for its first token (so it gets in soon),
-    and its chunk and token caps while it decodes (bounded iterations, so bounded gaps).
-    Decodes are never starved by the budget: it is at least one token per decoding request."""
-    chunk = math.inf if base_chunk <= 0 else base_chunk
-    if interactive != NO_INTERACTIVE and opts.interactive_chunk_size is not None:
-        chunk = min(chunk, opts.interactive_chunk_size)
-    if interactive == INTERACTIVE_DECODING and opts.interactive_token_budget is not None:
-        budget = min(budget, opts.interactive_token_budget)
-    tokens = int(min(ceiling, max(budget, num_decoding, 1)))
-    return StepCaps(tokens, 0 if math.isinf(chunk) else int(chunk))
+def vllm_knobs(caps: StepCaps, ceiling: int, num_decoding: int) -> VLLMKnobs:
+    """The step's caps in vLLM's knobs. vLLM's budget is also what its decodes take, so it is
+    at least one token per decoding request (hlserve's scheduler never starves a decode by
+    the budget either), and never past vLLM's hard cap."""
+    tokens = int(min(ceiling, max(caps.budget, num_decoding, 1)))
+    return VLLMKnobs(tokens, 0 if math.isinf(caps.chunk) else int(caps.chunk))
 
 
-# ---- soft backpressure ----------------------------------------------------------------------
+# ---- the plan of one step -------------------------------------------------------------------
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class PrefixCacheOrder(AgedPrefixOrder):
+    """LPM with aging over a host's prefix cache, which also tells how many of a request's
+    matched blocks nobody holds (counted as free, but admitting the request takes them).
+    A request needs vLLM's ``request_id``, ``arrival_time`` and ``num_tokens``."""
+
+    @abc.abstractmethod
+    def unheld_cached_blocks(self, req: Any) -> int:
+        """Of the blocks the last ``cached_tokens(req, ...)`` matched."""
 
 
-def projected_blocks(num_tokens: int, remaining_output: int, cached_tokens: int,
-                     block_size: int, max_model_len: int, pool_blocks: int,
-                     num_running: int) -> int:
-    """Blocks a waiting request will take from the pool: its uncached prompt plus its
-    projected output (never past the model's length), the output bounded by a fair share of
-    the pool, ``pool / (running + 1)``: a request without ``max_tokens`` (vLLM then allows
-    the whole remaining context) would otherwise wait for an empty pool. Growth past the
-    share is what preemption is for. (hlserve's own ``Backpressure`` reserves less past the
-    share, a block of growth per running request; the plugin has not followed it yet.)"""
-    cached = cached_tokens // block_size
-    prompt = cdiv(num_tokens, block_size) - cached
-    total = min(num_tokens + max(remaining_output, 0), max_model_len)
-    return max(prompt, min(cdiv(total, block_size) - cached, prompt + pool_blocks // (num_running + 1)))
+def _uncomputed(r: Any) -> int:
+    return r.num_tokens - r.num_computed_tokens
 
 
-def admitted_prefix(needs: Sequence[int], headroom: int, num_running: int) -> int:
-    """How many of the waiting requests, in order, may go to vLLM's admission this step:
-    each while its need fits what the pool can still give (free + evictable blocks, less
-    what the ones before it take); the first that does not fit waits at the head, and those
-    behind it wait too (no overtaking, so it is not starved). With nothing running the head
-    always goes: nothing will free blocks for it, and vLLM's own check still applies."""
-    n = 0
-    for need in needs:
-        if need > headroom and not (n == 0 and num_running == 0):
-            break
-        headroom -= need
-        n += 1
-    return n
-
-
-# ---- the start-up block ---------------------------------------------------------------------
+def _decoding(r: Any) -> bool:
+    return _uncomputed(r) <= 1
 
 
 @dataclass(frozen=True)
-class VLLMCaps:
-    """What vLLM itself enforces, read from its config at start-up."""
-
-    version: str
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    long_prefill_token_threshold: int
-    enable_prefix_caching: bool
-    enable_chunked_prefill: bool
+class StepPlan:
+    presence: str  # where interactive traffic stands (caps.NO_INTERACTIVE, ...)
+    caps: StepCaps  # hlserve's caps of the step
+    knobs: VLLMKnobs  # the same in vLLM's knobs
+    decode_only: bool  # the two-stage switch's decode-only stage
+    order: list[Any]  # the waiting queue in the pass's order
+    queue: list[Any]  # what vLLM's queue holds for its pass, in order (the rest are held)
+    admitted: list[Any]  # what the admission pass admits (vLLM's own rules: all the queue)
+    held: list[Any]  # held out of vLLM's queue for this pass
 
 
-def describe_caps(opts: PluginOptions, caps: VLLMCaps, budget_start: float, budget_floor: int,
-                  budget_ceiling: int) -> str:
-    """Every cap in force, latency or safety, in one block: a run can be reproduced from its
-    log (DESIGN, throughput mode point 1)."""
-    def line(kind: str, name: str, value: object, why: str) -> str:
-        return f"  {kind:<7} {name:<26} {value!s:<34} {why}"
+class PluginPolicy:
+    """Throughput mode's state and decisions for one vLLM scheduler, on a view of vLLM's
+    requests (``request_id``, ``num_tokens``, ``num_computed_tokens``, ``max_tokens``,
+    ``num_output_tokens``, ``priority``, ``arrival_time``, ``sampling_params``) and of its
+    block pool. ``own_rules(request)``: a waiting request that vLLM's own rules govern
+    (remote KV, structured output not ready): left in its queue, in order."""
 
-    chunk = caps.long_prefill_token_threshold
-    if opts.budget_controller == "ema":
-        budget = (f"ema, start {budget_start:.0f}, floor {budget_floor}, ceiling "
-                  f"{budget_ceiling}, alpha {opts.ema_alpha}, warm-up {opts.budget_warmup}")
-    else:
-        budget = f"fixed {budget_ceiling}"
-    lines = [
-        f"hlserve ThroughputScheduler on vLLM {caps.version}: caps in force",
-        line("latency", "chunk_size", "off (greedy prefill)" if chunk <= 0 else chunk,
-             "per-request prefill chunk for agent traffic (--long-prefill-token-threshold)"),
-        line("latency", "token_budget", budget, "tokens per step (TPOT); decodes are never "
-             "starved by it"),
-        line("latency", "interactive_chunk_size", opts.interactive_chunk_size or "off",
-             "chunk cap while an interactive request waits or decodes"),
-        line("latency", "interactive_token_budget", opts.interactive_token_budget or "off",
-             "token cap while an interactive request decodes"),
-        line("latency", "prefill_delay", "off", "vLLM has no prefill delayer"),
-        line("safety", "max_num_batched_tokens", caps.max_num_batched_tokens,
-             "vLLM's hard per-step cap: a longer prompt is chunked"
-             + ("" if caps.max_num_batched_tokens >= caps.max_model_len else
-                " (below max_model_len: pass --max-num-batched-tokens <max-model-len> "
-                "for greedy prefill of every prompt)")),
-        line("safety", "max_num_seqs", caps.max_num_seqs, "running-request limit"),
-        line("safety", "max_model_len", caps.max_model_len, "longest sequence"),
-        line("safety", "kv_pool", f"{caps.num_blocks} blocks x {caps.block_size} tokens",
-             f"KV capacity ({caps.num_blocks * caps.block_size} tokens)"),
-        f"  policy  mixing={opts.mixing}"
-        + (f"(high {opts.two_stage_high}, low {opts.two_stage_low})"
-           if opts.mixing == "two_stage" else "")
-        + f" order={opts.order}" + (f"(aging {opts.lpm_aging})" if opts.order == "lpm" else "")
-        + f" admission={opts.admission} prefix_caching={caps.enable_prefix_caching} "
-        f"chunked_prefill={caps.enable_chunked_prefill}",
-        f"  classes default={opts.default_request_class}; interactive by vllm_xargs "
-        f"{{\"{CLASS_KEY}\": \"{INTERACTIVE}\"}}"
-        + ("" if opts.interactive_priority is None
-           else f" or priority <= {opts.interactive_priority}"),
-    ]
-    if opts.trace:
-        lines.append(f"  trace   {opts.trace}")
-    return "\n".join(lines)
+    def __init__(self, opts: PluginOptions, caps: VLLMCaps, prefix: PrefixCacheOrder,
+                 own_rules: Callable[[Any], bool] = lambda r: False) -> None:
+        self.opts, self.vllm = opts, caps
+        self.config = config = plugin_config(opts, caps)
+        self.pool = PoolShape(caps.block_size, caps.num_blocks)
+        self.budget = make_budget_controller(config, caps.max_num_batched_tokens)
+        self.mixing = make_mixing(config)
+        self.prefix = prefix
+        self.order: OrderPolicy = prefix if config.order == "lpm" else FCFS()
+        self.admission = Admission(config, caps.max_model_len)
+        self.own_rules = own_rules
+        self.step = 0
+        self._classes: dict[str, str] = {}
+        self._last_waiting: dict[str, Any] = {}
 
+    def class_of(self, r: Any) -> str:
+        cls = self._classes.get(r.request_id)
+        if cls is None:
+            sp = r.sampling_params
+            cls = request_class(sp.extra_args if sp is not None else None, r.priority, self.opts)
+            self._classes[r.request_id] = cls
+        return cls
+
+    def _interactive(self, r: Any) -> bool:
+        return self.class_of(r) == INTERACTIVE
+
+    def prune(self, waiting: Sequence[Any], requests: Mapping[str, Any]) -> None:
+        """Forget the order and admission state of requests that left the queue (admitted or
+        ended), and the classes of those that left the scheduler (``requests``)."""
+        now = {r.request_id: r for r in waiting}
+        for rid, req in self._last_waiting.items():
+            if rid not in now:
+                self.prefix.forget(req)
+                self.admission.forget(rid)
+        self._last_waiting = now
+        if len(self._classes) > 2 * len(requests) + 64:
+            self._classes = {k: v for k, v in self._classes.items() if k in requests}
+
+    def plan(self, waiting: list[Any], running: list[Any], free_blocks: int,
+             evictable_blocks: int, kv_usage: float) -> StepPlan:
+        """The step's plan, from vLLM's queue before its pass. ``free_blocks``: what an
+        allocation could get (vLLM counts cached blocks nobody holds as free);
+        ``evictable_blocks``: what the two-stage switch may count as evictable."""
+        self.step += 1
+        presence = interactive_presence(running, waiting, self._interactive, _decoding)
+        caps = step_caps(self.config, self.budget.budget, presence)
+        assert self.config.budget_max is not None  # plugin_config sets vLLM's hard cap
+        knobs = vllm_knobs(caps, self.config.budget_max, sum(map(_decoding, running)))
+        state = mix_state(self.mixing, kv_usage, evictable_blocks, self.pool.page_size,
+                          map(_uncomputed, waiting), map(_uncomputed, running))
+        prefill_ok, _ = self.mixing.plan(state)
+        if not prefill_ok:  # vLLM's pass runs with its prefill throttle: it admits nothing
+            return StepPlan(presence, caps, knobs, True, waiting, waiting, [], [])
+        if self.config.admission == "chunk":  # vLLM's own admission: it decides
+            order = self._ordered(waiting)
+            return StepPlan(presence, caps, knobs, False, order, order, order, [])
+        budget, growth = self._running_share(running, knobs.token_budget, caps.chunk)
+        if growth > free_blocks:
+            # vLLM preempts in this step and then admits nothing, as hlserve's scheduler
+            # admits nothing (nor orders its queue) in an iteration that retracted
+            return StepPlan(presence, caps, knobs, False, waiting, waiting, [], [])
+        order = self._ordered(waiting)
+        admitted, held = self._admit(order, running, free_blocks - growth, budget, caps.chunk)
+        # every request is admitted or held: what vLLM's queue keeps is what was admitted
+        return StepPlan(presence, caps, knobs, False, order, admitted, admitted, held)
+
+    def _ordered(self, waiting: list[Any]) -> list[Any]:
+        """The queue in the pass's order. Asked only in a pass that may admit, as hlserve's
+        scheduler asks it: the order's aging counts the passes that considered a request."""
+        return list(interactive_first(waiting, self._interactive, self.order, self.step))
+
+    def _running_share(self, running: list[Any], token_budget: int,
+                       chunk: float) -> tuple[float, int]:
+        """What the running requests take of the step as hlserve's scheduler gives it
+        (decodes first, then prefill chunks within the budget): (budget left, blocks)."""
+        pool = self.pool
+        budget, growth = float(token_budget), 0
+        for r in running:
+            if _decoding(r):
+                budget -= 1
+                growth += pool.pages_for(r.num_computed_tokens + 1) - pool.pages_for(r.num_computed_tokens)
+        for r in running:
+            if not _decoding(r) and (n := chunk_tokens(_uncomputed(r), chunk, budget)) >= 1:
+                budget -= n
+                growth += pool.pages_for(r.num_computed_tokens + n) - pool.pages_for(r.num_computed_tokens)
+        return budget, growth
+
+    def _admit(self, order: list[Any], running: list[Any], available: int, budget: float,
+               chunk: float) -> tuple[list[Any], list[Any]]:
+        """hlserve's admission pass (``AdmitPass``) on vLLM's view, with what the running
+        requests left of the pool (``available``) and of the budget. Returns (admitted,
+        held)."""
+        pool = self.pool
+        used = pool.num_pages - available
+        ap = self.admission.begin(self.step, len(running), sum(not _decoding(r) for r in running))
+        admitted: list[Any] = []
+        held: list[Any] = []
+        for i, r in enumerate(order):
+            if self.own_rules(r):
+                admitted.append(r)
+                continue
+            if ap.full(budget, 0):
+                held += order[i:]
+                break
+            cached = self.prefix.cached_tokens(r, self.step)
+            n = chunk_tokens(r.num_tokens - cached, chunk, budget)
+            c = Candidate(r.request_id, r.num_tokens, r.max_tokens - r.num_output_tokens, cached,
+                          n, pool.pages_for(cached + n) - cached // pool.page_size,
+                          self.prefix.unheld_cached_blocks(r))
+            verdict = ap.decide(c, available, used, pool)
+            if verdict == Admit.STOP:
+                held += order[i:]
+                break
+            if verdict != Admit.YES:  # a wait: the plugin runs no policy that rejects
+                held.append(r)
+                continue
+            admitted.append(r)
+            ap.admitted(c)
+            budget -= n
+            available -= c.chunk_pages + c.locked_pages
+            used += c.chunk_pages + c.locked_pages
+        return admitted, held
+
+    def observe(self, elapsed: float, num_tokens: int, num_requests: int) -> None:
+        """Feed a step's time to the budget controller; a step with more tokens than
+        requests held prefill. A step that ran nothing says nothing (hlserve's engine feeds
+        its controller only the steps that ran a batch)."""
+        if num_requests:
+            self.budget.observe(elapsed, num_tokens > num_requests)
+
+    def describe(self) -> str:
+        """Every cap in force, latency or safety, in one block: a run can be reproduced
+        from its log."""
+        caps, opts = self.vllm, self.opts
+        hint = ("" if caps.max_num_batched_tokens >= caps.max_model_len else
+                " (below max_model_len: pass --max-num-batched-tokens <max-model-len> for "
+                "greedy prefill of every prompt)")
+        notes = [f"  vllm    chunk_size is --long-prefill-token-threshold; chunked_prefill="
+                 f"{caps.enable_chunked_prefill}; vLLM preempts itself (its last admitted request)",
+                 f"  classes default={opts.config.default_request_class}; interactive by "
+                 f"vllm_xargs {{\"{CLASS_KEY}\": \"{INTERACTIVE}\"}}"
+                 + ("" if opts.interactive_priority is None
+                    else f" or priority <= {opts.interactive_priority}")]
+        if opts.trace:
+            notes.append(f"  trace   {opts.trace}")
+        host = HostCaps(f"hlserve ThroughputScheduler on vLLM {caps.version}: caps in force",
+                        caps.num_blocks, caps.block_size, caps.max_model_len, "blocks",
+                        (("safety", "max_num_batched_tokens", caps.max_num_batched_tokens,
+                          "vLLM's hard per-step cap: a longer prompt is chunked" + hint),),
+                        tuple(notes))
+        return describe_caps(self.config, host, self.budget)
 
 # ---- the per-step trace ---------------------------------------------------------------------
 

@@ -1,0 +1,11 @@
+"""Scheduler policies: small objects the scheduler composes, one module per knob.
+
+Each knob is an abstract base with one or two methods; the scheduler asks, the policy
+answers, and none of them knows about tensors or clocks. ``order`` / ``lpm`` (the waiting
+queue's order), ``mixing`` (prefill beside decode, the two-stage switch), ``admission`` (who
+starts now, and the pass over the queue with backfill), ``retraction`` (who yields its KV),
+``budget`` (tokens per iteration), and ``caps`` (the caps of one step and the start-up block
+that lists them). Each module's ``make_*`` builds its knob from an ``EngineConfig``; presets
+(``engine/presets.py``) pick the values. hlserve's scheduler and the vLLM plugin
+(``hlserve.integrations``) both run these, each on its own view of its queue and pool.
+"""

@@ -1,0 +1,104 @@
+"""The order of the waiting queue: who is considered for admission first.
+
+``OrderPolicy`` is the knob's base; ``FCFS`` and ``PriorityOrder`` sort, and
+``AgedPrefixOrder`` is longest cached prefix first with aging, whatever says how many of a
+request's tokens are cached (hlserve's radix tree in ``lpm.py``, vLLM's block pool in
+``hlserve.integrations.vllm``). ``interactive_first`` puts interactive requests ahead of
+that order, in both hosts.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Any
+
+from hlserve.request import Request
+
+
+class OrderPolicy(abc.ABC):
+    """Who is considered for admission first. Returns an iterator so that a pass that
+    admits k of n waiting requests need not order all n."""
+
+    @abc.abstractmethod
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]: ...
+
+    def forget(self, req: Request) -> None:  # noqa: B027 (optional hook)
+        """The request left the queue (admitted or ended)."""
+
+
+class FCFS(OrderPolicy):
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        # a retracted request keeps its arrival time, so it goes back near the front
+        return iter(sorted(waiting, key=lambda r: r.arrival_time))
+
+
+class PriorityOrder(OrderPolicy):
+    """vLLM's priority scheduling: lower ``priority`` value first, then arrival."""
+
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        return iter(sorted(waiting, key=lambda r: (r.priority, r.arrival_time)))
+
+
+class AgedPrefixOrder(OrderPolicy):
+    """Longest cached prefix first, with aging so that a cold request is not starved.
+
+    Score = cached tokens + ``aging`` x iterations waited; ties go to the earlier arrival.
+    Subclasses say how many of a request's tokens are cached (``cached_tokens``): hlserve's
+    radix tree here, vLLM's block-hash pool in ``hlserve.integrations.vllm``; the ranking,
+    the aging and the FCFS fallback are this one class wherever it runs. A request needs only
+    ``request_id``, ``arrival_time`` and ``num_tokens``.
+    """
+
+    def __init__(self, aging: float, fcfs_fallback: int | None) -> None:
+        self.aging = aging
+        self.fcfs_fallback = fcfs_fallback
+        self._since: dict[str, int] = {}  # step each waiting request (re)entered the queue
+
+    @abc.abstractmethod
+    def cached_tokens(self, req: Request, step: int) -> int: ...
+
+    def _waited(self, req: Request, step: int) -> int:
+        """Iterations waited; the wait counts from the first pass that saw the request."""
+        return step - self._since.setdefault(req.request_id, step)
+
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        if self.fcfs_fallback is not None and len(waiting) > self.fcfs_fallback:
+            return FCFS().order(waiting, step)
+        if len(waiting) == 1:  # nothing to rank (the common case in a closed loop): no walk,
+            self._waited(waiting[0], step)  # but its wait counts from now, for aging
+            return iter(waiting)
+        return self._rank(waiting, step)
+
+    def _rank(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        """Every waiting request scored afresh: the pass for a ``cached_tokens`` that can
+        change without notice (vLLM's block pool), and the reference for the incremental
+        ranking of ``LongestPrefixMatch``."""
+        # one tight loop and one C-level sort: at 4,096 waiting, per-request Python calls and
+        # a heap pop per request were most of the pass (benchmarks/scheduler_overhead.py)
+        since, aging, cached = self._since, self.aging, self.cached_tokens
+        keys = []
+        for r in waiting:
+            waited = step - since.setdefault(r.request_id, step)
+            keys.append((-(cached(r, step) + aging * waited), r.arrival_time))
+        ranked = sorted(range(len(waiting)), key=keys.__getitem__)  # stable: ties by position
+        return (waiting[i] for i in ranked)
+
+    def forget(self, req: Request) -> None:
+        self._since.pop(req.request_id, None)
+
+
+
+
+def interactive_first(waiting: list[Any], is_interactive: Callable[[Any], bool],
+                      order: OrderPolicy, step: int) -> Iterator[Any]:
+    """Interactive requests first (by priority, then arrival), then the rest in the order
+    policy's order. A request needs ``priority`` and ``arrival_time`` (hlserve's and vLLM's
+    both have them)."""
+    inter = [r for r in waiting if is_interactive(r)]
+    if not inter:
+        return order.order(waiting, step)
+    rest = [r for r in waiting if not is_interactive(r)]
+    inter.sort(key=lambda r: (r.priority, r.arrival_time))
+    return chain(inter, order.order(rest, step))
