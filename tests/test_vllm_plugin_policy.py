@@ -79,6 +79,10 @@ def test_options_from_env_and_additional_config_which_wins() -> None:
     ({"hlserve": {"interactive_chunk_size": 0}}, {}, "interactive_chunk_size"),
     ({}, {"HLSERVE_VLLM_BUDGET_MAX": ""}, "budget_max"),
     ({"hlserve": {"ema_alpha": 0}}, {}, "ema_alpha must be in"),
+    # checks of the one EngineConfig, which the plugin's options are
+    ({"hlserve": {"budget_min": 0}}, {}, "budget_min must be >= 1"),
+    ({}, {"HLSERVE_VLLM_BUDGET_WARMUP": "-1"}, "budget_warmup must be >= 0"),
+    ({"hlserve": {"lpm_aging": -2}}, {}, "lpm_aging must be >= 0"),
     ({"hlserve": {"two_stage_low": 0.95}}, {}, "two_stage_low < two_stage_high"),
     ({"hlserve": [1]}, {}, "must be an object"),
 ])

@@ -112,6 +112,13 @@ class EngineConfig:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        # the plugin's options are an EngineConfig too, so these are its checks as well
+        if self.budget_min < 1:
+            raise ValueError(f"budget_min must be >= 1, got {self.budget_min}")
+        if self.budget_warmup < 0:
+            raise ValueError(f"budget_warmup must be >= 0, got {self.budget_warmup}")
+        if not self.lpm_aging >= 0:  # NaN included
+            raise ValueError(f"lpm_aging must be >= 0, got {self.lpm_aging}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
