@@ -3,8 +3,8 @@
 :func:`engine_error` and :func:`output_error` turn what the engine raises or ends a request
 with into an :class:`~hlserve.server.protocol.ApiError` (status, OpenAI error body,
 headers); the exception handlers that :func:`add_exception_handlers` installs answer every
-error the same way, FastAPI's and Starlette's own included, and log one line per refused
-request (:func:`log_error`).
+error in that shape, FastAPI's and Starlette's own included (a client that left before its
+body was read gets a bare 499), and log one line per refused request (:func:`log_error`).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 A body is read under a size limit (413), parsed strictly into its request model (400 with
 the field at fault), checked against what this server supports and serves (model name,
-features, tools, response format, batch caps), and given its caller: the request class,
-priority and prefix-cache salt that the request, its headers and its API key imply. Large
-bodies are parsed in a worker thread (``OFFLOAD_CHARS``). What comes out is an
+features, tools, response format, batch caps), completed with the model's sampling defaults
+for the fields it leaves out, and given its caller: the request class, priority and
+prefix-cache salt that the request, its headers and its API key imply. Large bodies are
+parsed in a worker thread (``OFFLOAD_CHARS``). What comes out is an
 :class:`Inbound`, ready to be tokenized (:mod:`hlserve.server.prompts`).
 """
 
