@@ -24,7 +24,7 @@ Event = tuple[str, int, Any]  # (kind, index, payload)
 
 class EventSink:
     """The events of one HTTP request, filled by the engine thread (through the loop) and
-    read by its handler, through the names of the ``asyncio.Queue`` methods it stands in for.
+    read by its handler (its methods are named as ``asyncio.Queue``'s are).
 
     Control events (``added``, ``error``) are kept in order; of the cumulative outputs only
     the latest per index is kept, so a reader that has not kept up finds one output with
