@@ -269,8 +269,8 @@ class EngineBridge:
             self._handle(cmds, items)
             self._expire(items)
             self._deliver(items)  # acks first: streams can start while the step runs
+            items = []
             if eng.has_unfinished():
-                items = []
                 steps_before = eng.stats.steps
                 failed_before = eng.stats.failed_steps
                 try:
@@ -291,11 +291,13 @@ class EngineBridge:
                         # nothing could be scheduled (should not happen): do not spin
                         with self._cv:
                             self._cv.wait(0.005)
-                self._deliver(items)
+            # gauges before the step's outputs: a client that has its answer never scrapes
+            # the gauges of the step before it
             try:
                 self._publish_gauges()
             except Exception:
                 log.exception("publishing the engine gauges failed")
+            self._deliver(items)
 
     def _handle(self, cmds: _Commands, items: list) -> None:
         eng = self.engine
