@@ -18,13 +18,13 @@ def test_json_and_line_formats(tmp_path: Path) -> None:
     for path in (j, t):
         keys = KeyTable.load("sk-main", path)
         assert len(keys) == 4 and keys.enabled
-        assert keys.lookup("sk-a") == (True, "agent")
-        assert keys.lookup("sk-i") == (True, "interactive")
-        assert keys.lookup("sk-n") == (True, None)
-        assert keys.lookup("sk-main") == (True, None)
-        assert keys.lookup("sk-") == (False, None)
-        assert keys.lookup("") == (False, None)
-        assert keys.lookup(None) == (False, None)
+        assert keys.find("sk-a").request_class == "agent"
+        assert keys.find("sk-i").request_class == "interactive"
+        assert keys.find("sk-n").request_class is None
+        assert keys.find("sk-main").request_class is None
+        assert keys.find("sk-") is None
+        assert keys.find("") is None
+        assert keys.find(None) is None
 
 
 def test_no_keys_means_no_auth() -> None:

@@ -11,8 +11,6 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from hlserve.request import REQUEST_CLASSES  # noqa: F401  (the server modules' import)
-
 # vLLM's names (server/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names (server/reasoning.py)

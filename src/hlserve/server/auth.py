@@ -18,6 +18,9 @@ content of a key nor its position in the table shows in the response time.
 A key's identity (:attr:`ApiKey.id`, a prefix of its SHA-256, never the key) names its
 tenant: the server salts the prefix cache with it, so one key's prompts are never a cache
 hit for another.
+
+:class:`AuthMiddleware` checks the bearer key of every request but those to the open paths
+(health, the API's schema and docs) and puts the accepted key into the ASGI scope.
 """
 
 from __future__ import annotations
@@ -27,8 +30,17 @@ import hmac
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hlserve.server.args import REQUEST_CLASSES
+from fastapi.responses import JSONResponse
+
+from hlserve.request import REQUEST_CLASSES
+from hlserve.server.errors import log_error
+from hlserve.server.metrics import ServerMetrics
+from hlserve.server.protocol import error_body
+
+KEY_SCOPE = "hlserve.api_key"  # the ApiKey the auth middleware accepted
+OPEN_PATHS = frozenset({"/health", "/ping", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 
 
 @dataclass(frozen=True)
@@ -68,11 +80,6 @@ class KeyTable:
         if not found or presented is None:
             return None
         return ApiKey(digest.hex()[:32], found_cls)
-
-    def lookup(self, presented: str | None) -> tuple[bool, str | None]:
-        """(accepted, class of the key or None)."""
-        key = self.find(presented)
-        return (key is not None), (key.request_class if key else None)
 
     @classmethod
     def load(cls, api_key: str | None, path: Path | None) -> KeyTable:
@@ -116,3 +123,39 @@ def read_key_file(path: Path) -> dict[str, str | None]:
     if not keys:
         raise ValueError(f"{path} holds no API keys")
     return keys
+
+
+class AuthMiddleware:
+    """Bearer keys on every path but the open ones; the accepted key goes into the scope."""
+
+    def __init__(self, app: Any, keys: KeyTable, metrics: ServerMetrics,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys.enabled or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        token = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                text = value.decode("latin-1").strip()
+                if text[:7].lower() == "bearer ":
+                    token = text[7:].strip()
+                break
+        key = self.keys.find(token)
+        if key is None:
+            self.metrics.reject("unauthorized")
+            message = ("You didn't provide an API key: send it as 'Authorization: Bearer KEY'"
+                       if token is None else "Incorrect API key provided")
+            log_error(scope["method"], scope["path"], 401, "invalid_api_key", None, message)
+            response = JSONResponse(error_body(message, "invalid_request_error", None,
+                                               "invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        scope[KEY_SCOPE] = key
+        await self.app(scope, receive, send)

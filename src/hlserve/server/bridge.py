@@ -8,24 +8,24 @@ in one dedicated thread that owns it outright: nothing else calls into the engin
   sleeps on the condition when it has nothing to do.
 - **Out**: after each drain and each step the engine thread hands everything it produced to
   the event loop in one ``loop.call_soon_threadsafe`` call, which puts each event on the
-  :class:`EventSink` of the HTTP request it belongs to. Events are ``(kind, index, payload)``:
-  ``added`` (the engine accepted the request), ``output`` (a cumulative
-  :class:`RequestOutput`), ``error`` (an exception: rejected, or failed).
-  An HTTP request's events go to its :class:`EventSink`, which keeps control events in
-  order but only the latest cumulative output per prompt: a reader that lags gets the newest
-  state in one chunk, and a stalled one costs O(1) memory instead of a copy of every step.
+  :class:`~hlserve.server.events.EventSink` of the HTTP request it belongs to. Events are
+  ``(kind, index, payload)``: ``added`` (the engine accepted the request), ``output`` (a
+  cumulative :class:`RequestOutput`), ``error`` (an exception: rejected, or failed). The
+  request's side (sink, submissions, the group its handler reads) is
+  :mod:`hlserve.server.events`.
 - **Limits** (:class:`BridgeLimits`): queued requests and queued prompt tokens are capped
   (:class:`ServiceUnavailableError` ``queue_full``, 503 with Retry-After; a request that
   could never fit a cap is a 400), a request past its deadline is ended with an error, and
   ``health_problem`` reports a loop that has not come round within the iteration timeout
   while work is in flight ("engine wedged").
-- **Faults**: a request the engine rejects fails alone (``error`` event, 400). The engine
-  fails a request whose forward or output processing raises alone, and recovers from a step
-  that raises outside the forward (each request it touched ends with an error); the engine's
-  :class:`~hlserve.engine.engine.FailureStreak` (three failures in a row, counting steps that
-  raise out of ``step()`` here), or any error outside a step, kill the loop: every pending request gets
-  :class:`EngineDeadError`, ``/health`` answers 503, and the server process exits non-zero
-  so that a supervisor restarts it.
+- **Faults**: a request the engine rejects fails with the rest of its batch, and nothing
+  else (``error`` events, 400). The engine fails a request whose forward or output
+  processing raises alone, and recovers from a step that raises outside the forward (each
+  request it touched ends with an error); the engine's
+  :class:`~hlserve.engine.engine.FailureStreak` (three failures in a row, counting steps
+  that raise out of ``step()`` here), or any error outside a step, kill the loop: every
+  pending request gets :class:`EngineDeadError`, ``/health`` answers 503, and the server
+  process exits non-zero so that a supervisor restarts it.
 - **Drain** (``start_drain``, SIGTERM): new requests get ``ServiceUnavailableError``
   ``draining``; what is in flight runs on until ``fail_all`` ends what remains.
 - **Metrics** are recorded here, in the engine thread, as outputs arrive (counters,
@@ -40,25 +40,22 @@ import heapq
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
-from hlserve.request import Request, RequestOutput, SamplingParams
+from hlserve.request import REQUEST_CLASSES, Request, RequestOutput
 from hlserve.server.args import (
     DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_QUEUED_TOKENS,
-    REQUEST_CLASSES,
 )
+from hlserve.server.events import Event, EventSink, Submission
 from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
 
 log = logging.getLogger("hlserve.server")
-
-Event = tuple[str, int, Any]  # (kind, index, payload)
 
 
 class RequestFailed(Exception):
@@ -81,63 +78,6 @@ class BridgeLimits:
         names = ("max_queued_requests", "max_queued_tokens", "request_timeout_s",
                  "engine_iteration_timeout_s", "retry_after_s")
         return cls(**{n: getattr(settings, n) for n in names if hasattr(settings, n)})
-
-
-class EventSink:
-    """The events of one HTTP request, filled by the engine thread (through the loop) and
-    read by its handler; a drop-in for the ``asyncio.Queue`` methods used here.
-
-    Control events (``added``, ``error``) are kept in order; of the cumulative outputs only
-    the latest per index is kept, so a reader that has not kept up finds one output with
-    everything produced meanwhile, and a stalled one holds O(1) outputs, not one per step.
-    Control events are read first: an error then supersedes its index's pending output."""
-
-    def __init__(self) -> None:
-        self._control: deque[Event] = deque()
-        self._outputs: dict[int, Event] = {}  # index -> latest ("output", index, out)
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, event: Event) -> None:
-        if event[0] == "output":
-            self._outputs[event[1]] = event
-        else:
-            self._control.append(event)
-        self._ready.set()
-
-    def qsize(self) -> int:
-        return len(self._control) + len(self._outputs)
-
-    def empty(self) -> bool:
-        return not self._control and not self._outputs
-
-    def get_nowait(self) -> Event:
-        if self._control:
-            return self._control.popleft()
-        if self._outputs:
-            return self._outputs.pop(next(iter(self._outputs)))
-        raise asyncio.QueueEmpty
-
-    async def get(self) -> Event:
-        while self.empty():
-            self._ready.clear()
-            await self._ready.wait()
-        return self.get_nowait()
-
-
-@dataclass(eq=False)
-class Submission:
-    """One engine request of an HTTP request (a batch prompt gives several)."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    request_class: str | None  # None: the engine's default
-    priority: int
-    arrival: float  # the engine clock's time when the HTTP request arrived
-    index: int
-    sink: EventSink
-    cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
-    follows: str | None = None  # n > 1: the first sibling's request id (see Engine.add_request)
 
 
 @dataclass(eq=False)
@@ -329,8 +269,8 @@ class EngineBridge:
             self._handle(cmds, items)
             self._expire(items)
             self._deliver(items)  # acks first: streams can start while the step runs
+            items = []
             if eng.has_unfinished():
-                items = []
                 steps_before = eng.stats.steps
                 failed_before = eng.stats.failed_steps
                 try:
@@ -351,11 +291,13 @@ class EngineBridge:
                         # nothing could be scheduled (should not happen): do not spin
                         with self._cv:
                             self._cv.wait(0.005)
-                self._deliver(items)
+            # gauges before the step's outputs: a client that has its answer never scrapes
+            # the gauges of the step before it
             try:
                 self._publish_gauges()
             except Exception:
                 log.exception("publishing the engine gauges failed")
+            self._deliver(items)
 
     def _handle(self, cmds: _Commands, items: list) -> None:
         eng = self.engine
@@ -548,65 +490,3 @@ class EngineBridge:
 def _put_all(items: list[tuple[EventSink, Event]]) -> None:
     for sink, event in items:
         sink.put_nowait(event)
-
-
-class RequestGroup:
-    """The engine requests of one HTTP request, seen from the event loop."""
-
-    def __init__(self, bridge: EngineBridge, subs: list[Submission], sink: EventSink) -> None:
-        self.bridge = bridge
-        self.subs = subs
-        self.sink = sink
-        self.finished: set[int] = set()
-        self._early: list[Event] = []
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [s.request_id for s in self.subs]
-
-    async def wait_added(self) -> None:
-        """Return once the engine accepted every request; raise the first rejection."""
-        pending = {s.index for s in self.subs}
-        error: BaseException | None = None
-        while pending:
-            kind, index, payload = await self.sink.get()
-            if kind == "added":
-                pending.discard(index)
-            elif kind == "error":
-                pending.discard(index)
-                self.finished.add(index)
-                error = error or payload
-            else:
-                self._early.append((kind, index, payload))
-        if error is not None:
-            self.abort_unfinished()
-            raise error
-
-    async def events(self) -> AsyncIterator[list[tuple[int, RequestOutput | BaseException]]]:
-        """Batches of ``(index, latest output or error)``, at most one entry per index per
-        batch: when the consumer lags, cumulative outputs are coalesced."""
-        while len(self.finished) < len(self.subs):
-            if self._early:
-                raw, self._early = self._early, []
-            else:
-                raw = [await self.sink.get()]
-            while not self.sink.empty():
-                raw.append(self.sink.get_nowait())
-            latest: dict[int, RequestOutput | BaseException] = {}
-            for kind, index, payload in raw:
-                if index in self.finished:
-                    continue
-                if kind == "error":
-                    latest[index] = payload
-                    self.finished.add(index)
-                elif kind == "output":
-                    latest[index] = payload
-                    if payload.finished:
-                        self.finished.add(index)
-            if latest:
-                yield sorted(latest.items())
-
-    def abort_unfinished(self) -> None:
-        ids = [s.request_id for s in self.subs if s.index not in self.finished]
-        self.finished.update(s.index for s in self.subs)
-        self.bridge.abort(ids)

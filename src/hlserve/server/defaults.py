@@ -64,6 +64,3 @@ class SamplingDefaults:
         context, or ``max_new_tokens`` if that is less (vLLM's rule)."""
         default = self.values.get("max_tokens")
         return rest if default is None else min(rest, int(default))
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in sorted(self.values.items())) or "none"

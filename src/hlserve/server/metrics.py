@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from hlserve.server.args import REQUEST_CLASSES
+from hlserve.request import REQUEST_CLASSES
 
 PREFIX = "hlserve:"
 # every family whose name and meaning are vLLM's is also exposed under vLLM's prefix, so

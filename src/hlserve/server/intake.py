@@ -1,0 +1,181 @@
+"""Request intake: reading a body and checking it before any work is done for it.
+
+A body is read under a size limit (413), parsed strictly into its request model (400 with
+the field at fault), checked against what this server supports and serves (model name,
+features, tools, response format, batch caps), completed with the model's sampling defaults
+for the fields it leaves out, and given its caller: the request class, priority and
+prefix-cache salt that the request, its headers and its API key imply. Large bodies are
+parsed in a worker thread (``OFFLOAD_CHARS``). What comes out is an
+:class:`Inbound`, ready to be tokenized (:mod:`hlserve.server.prompts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+
+from hlserve.request import REQUEST_CLASSES
+from hlserve.server.agent_checks import check_response_format, check_tools
+from hlserve.server.auth import KEY_SCOPE, ApiKey
+from hlserve.server.errors import ClientGone
+from hlserve.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    clip,
+    validation_error,
+)
+from hlserve.server.state import ServerState
+
+OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized in a thread
+GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest)
+
+
+def check_model(st: ServerState, name: str | None) -> None:
+    if name is not None and name not in st.accepted_names:
+        raise ApiError(404, f"The model `{clip(name)}` does not exist.", param="model",
+                       code="model_not_found")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(total, limit, at_least=True)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> ApiError:
+    what = f"at least {size}" if at_least else str(size)
+    return ApiError(413, f"The request body is too large: {what} bytes; this server accepts at "
+                    f"most {limit} bytes", code="request_too_large")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the engine needs it: class, priority, prefix-cache salt."""
+
+    request_class: str | None  # None: the engine's default
+    priority: int
+    cache_salt: str | None  # None: the shared namespace
+
+
+@dataclass
+class Inbound:
+    req: Any  # CompletionRequest | ChatCompletionRequest
+    caller: Caller
+    arrival: float  # the engine clock's time when the request arrived
+    offload: bool  # a large body: template and tokenize in a worker thread
+
+
+async def read_request(request: Request, st: ServerState,
+                       model: type[GenerationRequest]) -> Inbound:
+    arrival = st.clock()
+    body = await read_body(request, st.settings.max_request_body_bytes)
+    offload = len(body) > OFFLOAD_CHARS
+    try:
+        req = await asyncio.to_thread(model.model_validate_json, body) if offload \
+            else model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    check_model(st, req.model)
+    req.check_supported()
+    check_response_format(req.response_format)
+    if isinstance(req, ChatCompletionRequest):
+        check_tools(req.tools, req.tool_choice)
+    req = st.sampling_defaults.apply(req)
+    return Inbound(req, caller_of(request, st, req), arrival, offload)
+
+
+async def read_plain(request: Request, st: ServerState, model: type[Any]) -> Any:
+    """A body of ``model`` (strict, size-limited), for endpoints that generate nothing."""
+    body = await read_body(request, st.settings.max_request_body_bytes)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if model is TokenizeCompletionRequest and isinstance(parsed, dict) and "messages" in parsed:
+        model = TokenizeChatRequest  # vLLM's two shapes of one endpoint
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    check_model(st, req.model)
+    return req
+
+
+def caller_of(request: Request, st: ServerState, req: Any) -> Caller:
+    key: ApiKey | None = request.scope.get(KEY_SCOPE)
+    return Caller(request_class(request, req.request_class, key),
+                  bounded_priority(st, req.priority), cache_salt(key, req.cache_salt))
+
+
+def request_class(request: Request, asked: str | None, key: ApiKey | None) -> str | None:
+    """Body field, else header, else the key's class; None: the engine's default. A key
+    mapped to ``agent`` cannot claim that a person is waiting (403)."""
+    header = request.headers.get("x-request-class")
+    if header is not None:
+        header = header.strip().lower()
+        if header not in REQUEST_CLASSES:
+            raise ApiError(400, f"X-Request-Class must be one of {', '.join(REQUEST_CLASSES)}; "
+                           f"got {clip(header)!r}", param="X-Request-Class", code="invalid_value")
+    claimed = asked or header
+    key_class = key.request_class if key is not None else None
+    if key_class == "agent" and claimed == "interactive":
+        raise ApiError(403, "This API key is for agent traffic: its requests cannot claim the "
+                       "interactive class", param="request_class" if asked else "X-Request-Class",
+                       code="permission_denied")
+    return claimed or key_class
+
+
+def bounded_priority(st: ServerState, priority: int) -> int:
+    if st.min_priority is not None and priority < st.min_priority:
+        raise ApiError(400, f"priority must be at least {st.min_priority} on this server (lower "
+                       f"is served first), got {priority}", param="priority",
+                       code="invalid_value")
+    return priority
+
+
+def cache_salt(key: ApiKey | None, salt: str | None) -> str | None:
+    """The request's prefix-cache namespace: its key's and its own ``cache_salt``'s, hashed
+    (fixed size in the tree, and no key material in it). No key and no salt: shared."""
+    if key is None and salt is None:
+        return None
+    material = f"{key.id if key is not None else ''}\0{salt or ''}"
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+def check_batch(st: ServerState, prompts: list[Any], per_prompt: int = 1,
+                per_prompt_field: str = "n") -> None:
+    """Caps that a request can never fit: a 400, not a retryable 503. Each prompt forks
+    into ``per_prompt`` sequences (``per_prompt_field``: n, or best_of when it is set), each
+    an engine request."""
+    cap = st.settings.max_prompts_per_request
+    total = len(prompts) * per_prompt
+    what = f"{len(prompts)} prompts" if per_prompt == 1 else \
+        f"{len(prompts)} prompts x {per_prompt} sequences"
+    if total > cap:
+        raise ApiError(400, f"A request may carry at most {cap} prompts (sequences); got {what}",
+                       param="prompt" if per_prompt == 1 else per_prompt_field,
+                       code="invalid_value")
+    queue = st.settings.max_queued_requests
+    if queue is not None and total > queue:
+        raise ApiError(400, f"A request of {what} can never fit this server's "
+                       f"queue of {queue} requests", param="prompt", code="invalid_value")

@@ -1,0 +1,77 @@
+"""The bodies of answers that are not streamed: ``text_completion`` and ``chat.completion``.
+
+Choices in vLLM's order (sequence ``j`` of prompt ``i`` at ``i * k + j``), best_of's ``n``
+best by cumulative logprob, logprobs in each endpoint's shape, a chat's reasoning and tool
+calls taken out of its text, and usage that counts each prompt once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hlserve.request import RequestOutput
+from hlserve.server.generation import chat_reasoning, chat_tool_plan
+from hlserve.server.logprobs import chat_logprobs, completion_logprobs
+from hlserve.server.protocol import ChatCompletionRequest, CompletionRequest, now_s, usage
+from hlserve.server.reasoning import apply_reasoning
+from hlserve.server.state import ServerState
+from hlserve.server.tool_parsers import apply_tool_calls
+
+
+def common_choice(out: RequestOutput, return_ids: bool) -> dict[str, Any]:
+    extra: dict[str, Any] = {"stop_reason": out.stop_reason}
+    if return_ids:
+        extra["token_ids"] = list(out.token_ids)
+        extra["prompt_token_ids"] = list(out.prompt_token_ids)
+    return extra
+
+
+def total_usage(outs: list[RequestOutput], per_prompt: int = 1,
+                returned: list[RequestOutput] | None = None) -> dict[str, Any]:
+    """Usage of sequences in index order, ``per_prompt`` of each prompt: its prompt (and
+    cached) tokens count once, as vLLM counts them; completion tokens are the returned
+    choices'."""
+    firsts = outs[::per_prompt]
+    return usage(sum(len(o.prompt_token_ids) for o in firsts),
+                 sum(len(o.token_ids) for o in (outs if returned is None else returned)),
+                 sum(o.num_cached_tokens for o in firsts))
+
+
+def returned_choices(outs: list[RequestOutput], k: int, n: int) -> list[RequestOutput]:
+    """Of each prompt's ``k`` sequences, the ``n`` returned: all, or with best_of the n of
+    highest cumulative logprob (vLLM V0's best_of)."""
+    if k == n:
+        return outs
+    chosen: list[RequestOutput] = []
+    for i in range(0, len(outs), k):
+        ranked = sorted(outs[i:i + k], key=lambda o: -(o.cumulative_logprob or 0.0))
+        chosen += ranked[:n]
+    return chosen
+
+
+def completion_body(st: ServerState, rid: str, model: str, req: CompletionRequest,
+                    outs: list[RequestOutput], echo: list[str] | None = None) -> dict[str, Any]:
+    k = req.best_of or req.n
+    chosen = returned_choices(outs, k, req.n)
+    # best_of computes logprobs to rank the sequences; they are shown only when asked for
+    show_lp = req.logprobs is not None
+    choices = [{"index": i, "text": (echo[i // req.n] if echo else "") + o.text,
+                "logprobs": None if o.logprobs is None or not show_lp else
+                completion_logprobs(st.tokenizer, o.token_ids, o.logprobs),
+                "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
+               for i, o in enumerate(chosen)]
+    return {"id": rid, "object": "text_completion", "created": now_s(), "model": model,
+            "choices": choices, "usage": total_usage(outs, k, chosen)}
+
+
+def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
+              outs: list[RequestOutput], echo: list[str] | None = None) -> dict[str, Any]:
+    choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                "logprobs": None if o.logprobs is None else
+                chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
+                "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
+               for i, o in enumerate(outs)]
+    apply_reasoning(chat_reasoning(st, req), choices)  # server/reasoning.py
+    apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
+    return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
+            "choices": choices, "usage": total_usage(outs, req.n)}

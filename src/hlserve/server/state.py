@@ -1,0 +1,65 @@
+"""What every handler reads: :class:`ServerState`, one per app (``app.state.hlserve``).
+
+It holds the engine and the bridge to its thread, the settings, the API keys, the names
+the model is served under and the sampling defaults of its ``generation_config.json``;
+handlers are module-level functions that find it with :func:`state_of`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from pathlib import Path
+
+from fastapi import Request
+
+from hlserve.engine.engine import Engine
+from hlserve.server.args import ServerSettings
+from hlserve.server.auth import KeyTable
+from hlserve.server.bridge import BridgeLimits, EngineBridge
+from hlserve.server.defaults import SamplingDefaults
+from hlserve.server.metrics import ServerMetrics
+from hlserve.server.protocol import now_s
+
+
+def hlserve_version() -> str:
+    try:
+        return package_version("hlserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class ServerState:
+    """What every handler reads: the engine and its bridge, settings, keys, served names."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings, keys: KeyTable,
+                 model_path: str) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.keys = keys
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.pool_tokens = engine.kv_pool_tokens
+        # reported: --served-model-name, else the directory's base name (not its path);
+        # accepted besides: the model argument as given, which clients may already use
+        self.model_names = settings.served_model_names or (served_name(model_path),)
+        self.accepted_names = frozenset(self.model_names) | (
+            frozenset() if settings.served_model_names else {model_path})
+        self.model_name = self.model_names[0]
+        # with API keys, no tenant may declare itself ahead of the default priority
+        self.min_priority = settings.min_priority if settings.min_priority is not None \
+            else (0 if keys.enabled else None)
+        self.metrics = ServerMetrics(self.model_name)
+        self.bridge = EngineBridge(engine, self.metrics, BridgeLimits.from_settings(settings))
+        self.clock = engine.clock
+        self.created = now_s()
+        # generation_config.json's sampling defaults, for fields a request leaves out
+        self.sampling_defaults = SamplingDefaults.load(model_path)
+
+
+def served_name(model_path: str) -> str:
+    return Path(model_path).name or Path(model_path).resolve().name or "model"
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.hlserve
