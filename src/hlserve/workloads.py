@@ -155,7 +155,7 @@ class AgentWorkload:
                     ) -> AgentWorkload:
         """Sessions whose context grows from the system prompt to ``target`` over ``rounds``
         rounds: lognormal tool results (mean sized to reach the target) and outputs (mean
-        ``output_mean``, as agent turns are short: FACTS.md's Mooncake tool&agent mean is 182)."""
+        ``output_mean``, as agent turns are short: the Mooncake tool&agent trace's mean is 182)."""
         per_round = max(16.0, (target - system_prompt_len - task_len) / rounds - output_mean)
         return cls(
             sessions=sessions, rounds=rounds, system_prompt_len=system_prompt_len,

@@ -1,7 +1,7 @@
 """Presets: the systems we compare against, and our throughput mode, as knob settings.
 
-Every number here comes from the reference figures (FACTS.md, "Defaults of other systems"),
-so that a result can say which system's policy it ran. A preset fills in knobs; any knob
+Every number here comes from the systems' own documented defaults (SGLang 0.5.x, vLLM's
+V1 engine, Sarathi-Serve's paper), so that a result can say which system's policy it ran. A preset fills in knobs; any knob
 the caller names explicitly wins.
 """
 

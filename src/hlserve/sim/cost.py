@@ -1,6 +1,6 @@
 """The cost model: predicted time of one iteration of a model on a hardware profile.
 
-Per iteration, per layer, on one of ``tp`` devices (DESIGN.md, "The cost model"):
+Per iteration, per layer, on one of ``tp`` devices (docs/fidelity.md checks each term):
 
 - linear layers (qkv, o, gate+up, down): ``max(FLOPs / (eta_c(n) * peak), bytes /
   (eta_m * BW)) + t_kernel`` each, n = tokens in the iteration;

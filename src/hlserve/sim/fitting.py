@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-# GPU specs the Vidur profiles were taken on (FACTS.md, "GPUs")
+# GPU specs the Vidur profiles were taken on (the vendors' datasheets)
 VIDUR_GPUS = {
     "a100": ("compute__a100__meta-llama__Meta-Llama-3-8B__mlp.csv", "network__a100_dgx__all_reduce.csv",
              312e12, 2.04e12),

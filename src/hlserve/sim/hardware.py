@@ -1,6 +1,6 @@
 """Hardware profiles: what one device can do, and how efficiently real kernels use it.
 
-A profile is peak numbers (FACTS.md, "GPUs") plus efficiency terms. The efficiency terms are
+A profile is peak numbers (the vendors' datasheets: dense BF16, no sparsity) plus efficiency terms. The efficiency terms are
 fitted to measurements where measurements exist, and every value says where it came from:
 
 - GEMM and elementwise efficiency, kernel time: fitted to Vidur's operator profiles of H100
@@ -21,7 +21,7 @@ fitted to measurements where measurements exist, and every value says where it c
   are. The suite's other correction, decode attention at ~92% of HBM bandwidth, is a value of
   ``attn_eta_mem``, not a new term; the shipped 70% stays until the study is rerun on it.
 
-Memory sizes in FACTS.md ("96 GB") are taken as GiB: HBM stacks are binary-sized.
+Memory sizes in the datasheets ("96 GB") are taken as GiB: HBM stacks are binary-sized.
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ _H100_AR = ((2, 26.1e-6, 324.1e9), (4, 31.3e-6, 253.1e9), (8, 30.2e-6, 196.7e9))
 _A100_AR = ((2, 45.4e-6, 172.1e9), (4, 48.2e-6, 114.9e9), (8, 49.6e-6, 89.1e9))
 _PCIE_SCALE = 64 / 600  # L40S PCIe Gen4 x16 vs A100 NVLink
 
-_SRC_H = {"peak": "FACTS.md GPUs", "gemm": "Vidur H100 fit", "allreduce": "Vidur H100 NCCL fit",
+_SRC_H = {"peak": "datasheet", "gemm": "Vidur H100 fit", "allreduce": "Vidur H100 NCCL fit",
           "attention, overheads": "assumed (see hardware.py)"}
-_SRC_A = {"peak": "FACTS.md GPUs", "gemm": "Vidur A100 fit", "allreduce": "Vidur A100 NCCL fit",
+_SRC_A = {"peak": "datasheet", "gemm": "Vidur A100 fit", "allreduce": "Vidur A100 NCCL fit",
           "attention, overheads": "assumed (see hardware.py)"}
 
 HARDWARE: dict[str, Hardware] = {

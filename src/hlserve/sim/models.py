@@ -1,6 +1,6 @@
 """Model shapes the simulator knows by name, or any Hugging Face ``config.json``.
 
-Shapes are the published ``config.json`` values (FACTS.md, "Models"); only what the cost model
+Shapes are the published ``config.json`` values of each model on its hub page; only what the cost model
 and the KV accounting need is used: layers, hidden size, heads, KV heads, head dim,
 intermediate size, vocabulary. ``max_position_embeddings`` is the longest context the model
 is served at: Qwen2.5 7B and up are served at 128K with YaRN rope scaling (their model cards),
@@ -33,7 +33,7 @@ _LLAMA_EOS = (128001, 128008, 128009)
 _Q, _L = "Qwen2ForCausalLM", "LlamaForCausalLM"
 
 MODELS: dict[str, ModelConfig] = {
-    # FACTS.md, "Models"
+    # the models' published config.json files
     "Qwen2.5-0.5B": _shape(_Q, 24, 896, 14, 2, 4864, 151936, 32768, head_dim=64, tied=True,
                            eos=_QWEN_EOS),
     "Qwen2.5-7B": _shape(_Q, 28, 3584, 28, 4, 18944, 152064, 131072, eos=_QWEN_EOS),
@@ -42,7 +42,7 @@ MODELS: dict[str, ModelConfig] = {
     "Qwen2.5-72B": _shape(_Q, 80, 8192, 64, 8, 29568, 152064, 131072, eos=_QWEN_EOS),
     "Llama-3.1-8B": _shape(_L, 32, 4096, 32, 8, 14336, 128256, 131072, eos=_LLAMA_EOS),
     "Llama-3.1-70B": _shape(_L, 80, 8192, 64, 8, 28672, 128256, 131072, eos=_LLAMA_EOS),
-    # Not in FACTS.md: the 34B-class model of Sarathi-Serve's chunked-prefill measurements
+    # Also: the 34B-class model of Sarathi-Serve's chunked-prefill measurements
     # (01-ai/Yi-34B config.json: 60 layers, hidden 7168, 56/8 heads, intermediate 20480).
     "Yi-34B": _shape(_L, 60, 7168, 56, 8, 20480, 64000, 32768, eos=(2,)),
 }
