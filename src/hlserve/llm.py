@@ -18,7 +18,7 @@ from hlserve.request import Request, RequestOutput, SamplingParams, merge_choice
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
-__all__ = ["LLM", "build_engine", "engine_config"]
+__all__ = ["LLM", "build_engine", "engine_config", "engine_on"]
 
 Prompt = str | Sequence[int]
 MAX_IDLE_PASSES = 1000
@@ -32,12 +32,18 @@ def engine_config(model: str, **engine_options: Any) -> EngineConfig:
     return make_config(resolve_model(model), **engine_options)
 
 
+def engine_on(config: EngineConfig, runner: Callable[[EngineConfig], Any] = TorchRunner,
+              clock: Callable[[], float] | None = None) -> Engine:
+    """An Engine on the real runner for ``config`` as built (``runner`` wraps it for a caller
+    that records steps), with the model's tokenizer when it has one: what :class:`LLM` and :func:`build_engine`
+    run (``hlserve serve`` calls the factory the same way itself, one hand-off fewer)."""
+    return factory.build_engine(config, runner, tokenizer=Tokenizer.from_dir, clock=clock)
+
+
 def build_engine(model: str, *, runner: Callable[[EngineConfig], Any] = TorchRunner,
                  clock: Callable[[], float] | None = None, **engine_options: Any) -> Engine:
-    """An Engine on the real runner (``runner`` wraps it for a caller that records steps) with
-    the model's tokenizer, when it has one, configured by :func:`engine_config`."""
-    return factory.build_engine(engine_config(model, **engine_options), runner,
-                                tokenizer=Tokenizer.from_dir, clock=clock)
+    """:func:`engine_on` the config :func:`engine_config` builds from ``engine_options``."""
+    return engine_on(engine_config(model, **engine_options), runner, clock)
 
 
 class LLM:
@@ -57,7 +63,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig, instruct: bool) -> None:
-        self.engine = factory.build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
+        self.engine = engine_on(config)
         self.tokenizer = self.engine.tokenizer
         # an instruct checkpoint (GGUF or a named model): ``hlserve generate`` chats with it
         self.instruct = instruct
