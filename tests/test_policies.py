@@ -17,7 +17,7 @@ from hlserve import LLM
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies.budget import EMABudget, RatchetBudget
+from hlserve.engine.policies.budget import EMABudget, RatchetBudget, StepTimeCap
 from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.policies.mixing import MixState, TwoStage
 from hlserve.engine.policies.retraction import LIFO, FewestGenerated, PriorityVictim
@@ -514,3 +514,56 @@ def test_requests_arriving_together_share_their_prefix_prefill(defer: bool) -> N
         assert prefill <= 1024 + 8 * 64 + 8 * 16  # the system prompt once (plus page slack)
     else:
         assert prefill >= 8 * 1024
+
+
+# ---- the step-time safety cap -------------------------------------------------------------
+
+
+def test_step_time_cap_unit_measures_time_per_token() -> None:
+    off = StepTimeCap(None)
+    off.observe(10.0, 100_000)
+    assert off.limit == math.inf and off.per_token is None  # off: nothing measured
+    cap = StepTimeCap(1.0, initial=2048, floor=256)
+    assert cap.limit == 2048  # before a measurement
+    cap.observe(5.0, StepTimeCap.MIN_SAMPLE - 1)  # a small step measures fixed cost: ignored
+    assert cap.limit == 2048
+    cap.observe(0.5, 2000)  # 0.25 ms a token -> 4000 tokens a second
+    assert cap.limit == pytest.approx(4000)
+    cap.observe(0.5, 1000)  # EMA (alpha 0.5) of 0.25 and 0.5 ms
+    assert cap.limit == pytest.approx(1.0 / 0.000375)
+    cap.observe(30.0, 3000)  # a step that overran by far resets the estimate at once
+    assert cap.limit == 256  # 10 ms a token would give 100: the floor holds
+
+
+@pytest.mark.parametrize("mode", ["throughput", "default"])
+def test_step_time_cap_splits_one_huge_prefill_into_bounded_steps(mode: str) -> None:
+    """40K prompt tokens at 0.1 ms a token: one 4 s step without the cap; with a 0.5 s cap
+    every step after the first measurement takes about 0.5 s, and the tokens are the same."""
+    options = {"mode": mode} if mode != "default" else {}
+    prompts = [prompt(2000, 100 + i) for i in range(20)]
+    results = {}
+    for seconds in (None, 0.5):
+        e = engine_for(num_pages=4096, max_step_seconds=seconds, **options)
+        ids = [e.add_request(p, params(2)).request_id for p in prompts]
+        outs = run(e)
+        runner = e.runner
+        assert isinstance(runner, HistoryRunner)
+        times = [2e-3 + 1e-4 * b.num_tokens for b in runner.batches]
+        results[seconds] = ([outs[i].token_ids for i in ids], times)
+    uncapped, capped = results[None], results[0.5]
+    assert capped[0] == uncapped[0]  # chunking never changes a token
+    assert max(uncapped[1]) > 3.9  # all of it in one forward
+    assert max(capped[1][1:]) < 0.5 * 1.05  # bounded once measured
+    assert capped[1][0] <= 2e-3 + 1e-4 * 2048  # the first step: the initial cap
+
+
+def test_step_time_cap_keeps_greedy_tokens_on_the_real_model(tiny_llama: Path) -> None:
+    ids = [3 + t for t in prompt(3000, 7)]
+    outs = {}
+    for seconds in (None, 0.02):
+        llm = LLM(str(tiny_llama), dtype="float32", mode="throughput", max_step_seconds=seconds)
+        out = llm.generate([ids], params(4), use_tqdm=False)[0]
+        outs[seconds] = (out.token_ids, llm.engine.stats.steps)
+    assert outs[0.02][0] == outs[None][0]
+    assert outs[None][1] == 1 + 3  # one prefill step, three decodes
+    assert outs[0.02][1] > outs[None][1]  # the prefill split by the cap

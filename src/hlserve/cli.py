@@ -83,10 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     arrange(getattr(args, "device", "auto"))  # may re-execute this command once, first
     from hlserve.llm import engine_config
     from hlserve.server.api import serve
-    from hlserve.server.args import server_settings
+    from hlserve.server.args import DEFAULT_MAX_STEP_SECONDS, server_settings
 
-    # the one EngineConfig: the flags given over the preset's knobs, for this machine
-    serve(engine_config(args.model, **engine_options(args)), server_settings(args, args.model))
+    # the one EngineConfig: the flags given over the preset's knobs, for this machine; a
+    # server keeps the step-time safety cap unless told otherwise (no request holds it)
+    options = {"max_step_seconds": DEFAULT_MAX_STEP_SECONDS, **engine_options(args)}
+    serve(engine_config(args.model, **options), server_settings(args, args.model))
 
 
 def build_parser() -> argparse.ArgumentParser:

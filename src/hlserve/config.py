@@ -58,6 +58,10 @@ class EngineConfig:
     max_num_seqs: int = 256  # running-request limit
     enable_prefix_caching: bool = True
     max_prefill_tokens: int | None = None  # prefill tokens per iteration (SGLang's cap)
+    # tokens per iteration bounded so that a step takes about this many seconds, from the
+    # measured time per token (policies/budget.py:StepTimeCap): no request can hold the engine
+    # for minutes. None: off (the simulator and the offline API; `hlserve serve` sets it)
+    max_step_seconds: float | None = None
     # latency caps
     chunk_size: int | None = None  # None: a prompt is prefilled in one pass
     token_budget: int | None = None  # tokens per iteration (vLLM's max_num_batched_tokens); None: no cap
@@ -117,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"budget_min must be >= 1, got {self.budget_min}")
         if self.budget_warmup < 0:
             raise ValueError(f"budget_warmup must be >= 0, got {self.budget_warmup}")
+        if self.max_step_seconds is not None and not self.max_step_seconds > 0:
+            raise ValueError(f"max_step_seconds must be > 0 or unset, got {self.max_step_seconds}")
         if not self.lpm_aging >= 0:  # NaN included
             raise ValueError(f"lpm_aging must be >= 0, got {self.lpm_aging}")
 

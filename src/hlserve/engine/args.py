@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from hlserve.config import (
     BUDGET_CONTROLLERS,
     CAP_KNOBS,
     MIXING,
+    NO_CAP_WORDS,
     ORDERS,
     REQUEST_CLASSES,
     RETRACTIONS,
@@ -43,6 +45,10 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "token_budget": (["--token-budget", "--max-num-batched-tokens"],
                      "tokens per iteration; 'none': unlimited, also over a preset's value"),
     "max_prefill_tokens": (["--max-prefill-tokens"], "prefill tokens per iteration"),
+    "max_step_seconds": (["--max-step-seconds"],
+                         "safety cap: tokens per iteration bounded so a step takes about this "
+                         "many seconds, from the measured time per token; 'none': off "
+                         "(hlserve serve's default: 1)"),
     "prefill_delay": (["--prefill-delay"], "admit new prefill at most every N iterations"),
     "max_chunked_prefills": (["--max-chunked-prefills"], "requests mid-chunk at once"),
     "budget_controller": (["--budget-controller"], " | ".join(BUDGET_CONTROLLERS)),
@@ -76,7 +82,23 @@ def cap(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def seconds(text: str) -> float | None:
+    """A duration flag's value: seconds > 0, or None for one of NO_CAP_WORDS."""
+    if text.strip().lower() in NO_CAP_WORDS:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or one of "
+                                         f"{', '.join(NO_CAP_WORDS)}, got {text!r}")
+    return value
+
+
 def _flag_type(name: str, default: Any) -> Any:
+    if name == "max_step_seconds":
+        return seconds
     if name in CAP_KNOBS:
         return cap
     if name in STR_KNOBS:

@@ -75,6 +75,9 @@ class Runner(abc.ABC):
     model_config: ModelConfig
     num_pages: int
     page_size: int
+    # time.monotonic() of the forward's last sign of progress (a layer begun), read from
+    # another thread to tell a long step from a stuck one; 0.0: the runner reports none
+    last_progress: float = 0.0
 
     @abc.abstractmethod
     def execute(self, batch: Batch) -> StepResult: ...

@@ -29,7 +29,7 @@ from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, ScheduledSeq
 from hlserve.engine.kv_cache import KVCacheManager, Node
 from hlserve.engine.policies.admission import Admission, Admit, AdmitPass, Candidate
-from hlserve.engine.policies.budget import make_budget_controller
+from hlserve.engine.policies.budget import StepTimeCap, make_budget_controller
 from hlserve.engine.policies.caps import (
     StepCaps,
     chunk_tokens,
@@ -76,6 +76,7 @@ class Scheduler:
         self.admission = Admission(config, self.max_model_len)
         self.retraction = make_retraction(config)
         self.budget_controller = make_budget_controller(config, kv.num_pages * kv.page_size)
+        self.time_cap = StepTimeCap(config.max_step_seconds)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admission order
         self.rejected: list[Request] = []  # refused by admission; the engine ends them
@@ -151,7 +152,8 @@ class Scheduler:
     def _caps(self) -> StepCaps:
         """Chunk size and token budget of this iteration."""
         presence = interactive_presence(self.running, self.waiting, _is_interactive, _is_decoding)
-        return step_caps(self.config, self.budget_controller.budget, presence)
+        budget = min(self.budget_controller.budget, self.time_cap.limit)
+        return step_caps(self.config, budget, presence)
 
     def _mix_state(self) -> MixState:
         return mix_state(self.mixing, self.kv.usage, self.kv.num_evictable, self.kv.page_size,
@@ -339,8 +341,9 @@ class Scheduler:
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - step)
 
     def observe(self, batch: Batch, elapsed: float) -> None:
-        """Feed the iteration's forward time to the budget controller."""
+        """Feed the iteration's forward time to the budget controller and the time cap."""
         self.budget_controller.observe(elapsed, batch.num_prefill_tokens > 0)
+        self.time_cap.observe(elapsed, batch.num_tokens)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -47,6 +47,9 @@ class TorchRunner(Runner):
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
+        for layer in self.model.model.layers:  # a heartbeat per layer and sublayer
+            for module in (layer, *layer.children()):  # (Runner.last_progress)
+                module.register_forward_pre_hook(self._beat)
         self.page_size = config.page_size
         per_token = mc.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
         self.num_pages = config.num_pages or max(
@@ -189,6 +192,9 @@ class TorchRunner(Runner):
 
     # ---- execute ------------------------------------------------------------------------
     @torch.inference_mode()
+    def _beat(self, *_: object) -> None:
+        self.last_progress = time.monotonic()
+
     def execute(self, batch: Batch) -> StepResult:
         t0 = time.perf_counter()
         input_ids, positions, meta = self._prepare(batch)

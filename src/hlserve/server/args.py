@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from hlserve.config import parse_cap
+
 # vLLM's names (server/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names (server/reasoning.py)
@@ -20,6 +22,13 @@ DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens waiting: ~150 MB of token lists at most
 DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 60.0  # vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S
+# the engine's step-time safety cap in a server (--max-step-seconds): a few seconds, so that
+# /health and every other request are answered within that while one request's work runs
+DEFAULT_MAX_STEP_SECONDS = 1.0
+# prompt tokens of one request's prompts waiting for their prefill in the engine at once
+# (--request-prefill-window): the rest are handed over as those prefill, so a request of 256
+# long prompts does not queue ahead of every request that comes after it
+DEFAULT_REQUEST_PREFILL_WINDOW = 8192
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
@@ -41,6 +50,7 @@ class ServerSettings:
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     request_timeout_s: float | None = None  # arrival to finish; None: no deadline
     engine_iteration_timeout_s: float = DEFAULT_ENGINE_ITERATION_TIMEOUT_S
+    request_prefill_window: int | None = DEFAULT_REQUEST_PREFILL_WINDOW
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     request_read_timeout_s: float | None = DEFAULT_REQUEST_READ_TIMEOUT_S
     timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
@@ -57,6 +67,14 @@ class ServerSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+
+
+def _cap_or_none(text: str) -> int | None:
+    """A positive int, or None for 'none' (and the other no-cap words)."""
+    try:
+        return parse_cap(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(kind: type):
@@ -97,7 +115,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    type=_positive(float), default=DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
                    help="/health reports the engine wedged when no step completes in this many "
                         f"seconds while requests are in flight (default: "
-                        f"{DEFAULT_ENGINE_ITERATION_TIMEOUT_S:g})")
+                        f"{DEFAULT_ENGINE_ITERATION_TIMEOUT_S:g}); a step whose forward "
+                        "still progresses (layer by layer) is not wedged")
+    g.add_argument("--request-prefill-window", dest="request_prefill_window",
+                   type=_cap_or_none, default=DEFAULT_REQUEST_PREFILL_WINDOW,
+                   help="a request of several prompts is handed to the engine prompt by "
+                        "prompt: at most this many of its prompt tokens wait for prefill at "
+                        "once, so it cannot queue ahead of the requests after it; 'none': all "
+                        f"at once (default: {DEFAULT_REQUEST_PREFILL_WINDOW})")
     g.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                    default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM, let requests in flight finish for up to this many seconds, "
@@ -148,6 +173,7 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         max_queued_tokens=args.max_queued_tokens,
         request_timeout_s=args.request_timeout_s,
         engine_iteration_timeout_s=args.engine_iteration_timeout_s,
+        request_prefill_window=args.request_prefill_window,
         shutdown_timeout_s=args.shutdown_timeout_s,
         request_read_timeout_s=args.request_read_timeout_s,
         timeout_keep_alive_s=args.timeout_keep_alive_s,

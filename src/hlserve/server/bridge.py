@@ -40,6 +40,7 @@ import heapq
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,9 +52,18 @@ from hlserve.server.args import (
     DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_REQUEST_PREFILL_WINDOW,
 )
 from hlserve.server.events import Event, EventSink, Submission
 from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
+from hlserve.server.prompt_window import (
+    Held,
+    fit_window,
+    prompt_tokens,
+    sibling_rejected,
+    timeout_error,
+    units_of,
+)
 
 log = logging.getLogger("hlserve.server")
 
@@ -70,13 +80,15 @@ class BridgeLimits:
     max_queued_tokens: int | None = DEFAULT_MAX_QUEUED_TOKENS
     request_timeout_s: float | None = None  # arrival to finish, per engine request
     engine_iteration_timeout_s: float = DEFAULT_ENGINE_ITERATION_TIMEOUT_S
+    # prompt tokens of one request's prompts waiting for prefill in the engine at once
+    request_prefill_window: int | None = DEFAULT_REQUEST_PREFILL_WINDOW
     retry_after_s: int = 1
 
     @classmethod
     def from_settings(cls, settings: Any) -> BridgeLimits:
         """From a ``ServerSettings`` (fields it lacks keep their defaults)."""
         names = ("max_queued_requests", "max_queued_tokens", "request_timeout_s",
-                 "engine_iteration_timeout_s", "retry_after_s")
+                 "engine_iteration_timeout_s", "request_prefill_window", "retry_after_s")
         return cls(**{n: getattr(settings, n) for n in names if hasattr(settings, n)})
 
 
@@ -99,11 +111,6 @@ class _Commands:
     fail_all: BaseException | None = None  # end everything in flight with this error
 
 
-def _prompt_tokens(sub: Submission) -> int:
-    # a text prompt counts its characters: never fewer than its tokens
-    return len(sub.prompt)
-
-
 class EngineBridge:
     def __init__(self, engine: Engine, metrics: ServerMetrics, limits: BridgeLimits | None = None,
                  idle_wait_s: float = 1.0) -> None:
@@ -123,6 +130,7 @@ class EngineBridge:
         self._deadlines: list[tuple[float, str]] = []  # (engine-clock deadline, request id)
         self._dead: BaseException | None = None
         self._live: dict[str, _Live] = {}
+        self._held: list[Held] = []  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._last_totals = (0, 0)  # retractions, prefix-cache queries: engine totals seen
@@ -160,14 +168,18 @@ class EngineBridge:
     def health_problem(self) -> str | None:
         """None while the engine serves; else why it does not (for ``/health``):
         ``draining``, the reason the loop died, or ``engine wedged: ...`` when the loop has
-        not come round within the iteration timeout while requests are in flight."""
+        not come round, nor its forward progressed, within the iteration timeout while
+        requests are in flight."""
         if self._draining:
             return "draining"
         if not self.alive:
             return self.dead_reason or "the engine is stopping"
-        stalled = time.monotonic() - self._beat
+        # a step that is long but progressing beats from inside its forward (a layer begun):
+        # only a loop that neither comes round nor progresses is wedged
+        progress = max(self._beat, getattr(self.engine.runner, "last_progress", 0.0))
+        stalled = time.monotonic() - progress
         if stalled > self.limits.engine_iteration_timeout_s and self.num_in_flight():
-            return (f"engine wedged: no engine step completed in {stalled:.0f}s while "
+            return (f"engine wedged: no engine step progressed in {stalled:.0f}s while "
                     f"{self.num_in_flight()} requests are in flight (limit "
                     f"{self.limits.engine_iteration_timeout_s:g}s)")
         return None
@@ -190,7 +202,7 @@ class EngineBridge:
         one that could never fit a queue cap, :class:`ServiceUnavailableError` while
         draining or while the queue is full, :class:`EngineDeadError` once the loop died."""
         lim = self.limits
-        n, tokens = len(subs), sum(_prompt_tokens(s) for s in subs)
+        n, tokens = len(subs), sum(prompt_tokens(s) for s in subs)
         if lim.max_queued_requests is not None and n > lim.max_queued_requests:
             raise InvalidRequestError(
                 f"this request has {n} prompts; the server queues at most "
@@ -260,13 +272,14 @@ class EngineBridge:
             self._beat = time.monotonic()
             with self._cv:
                 if not (self._cmds.adds or self._cmds.aborts or self._cmds.fail_all
-                        or self._stopping or eng.has_unfinished()):
+                        or self._stopping or eng.has_unfinished() or self._held):
                     self._cv.wait(self.idle_wait_s)
                 if self._stopping:
                     return
                 cmds, self._cmds = self._cmds, _Commands()
             items: list[tuple[EventSink, Event]] = []
             self._handle(cmds, items)
+            self._release_held(items)
             self._expire(items)
             self._deliver(items)  # acks first: streams can start while the step runs
             items = []
@@ -300,48 +313,125 @@ class EngineBridge:
             self._deliver(items)
 
     def _handle(self, cmds: _Commands, items: list) -> None:
-        eng = self.engine
+        window = self.limits.request_prefill_window
         for batch in cmds.adds:
-            added: list[Submission] = []
-            failed = False
-            for sub in batch:
-                if failed:  # one prompt of a batch rejected: the rest is not started
-                    items.append((sub.sink, ("error", sub.index, InvalidRequestError(
-                        "another prompt of this request was rejected"))))
-                    continue
-                try:
-                    req = eng.add_request(sub.prompt, sub.params, request_id=sub.request_id,
-                                          request_class=sub.request_class,
-                                          priority=sub.priority, arrival_time=sub.arrival,
-                                          cache_salt=sub.cache_salt, follows=sub.follows)
-                except Exception as e:  # a bad request never takes the engine down
-                    if not isinstance(e, InvalidRequestError):
-                        log.exception("add_request failed for %s", sub.request_id)
-                    items.append((sub.sink, ("error", sub.index, e)))
-                    failed = True
-                    continue
-                cls = getattr(req.request_class, "value", req.request_class)
-                cls = cls if cls in REQUEST_CLASSES else "agent"
-                self._live[sub.request_id] = _Live(sub, req, self.metrics.c[cls])
-                added.append(sub)
-                items.append((sub.sink, ("added", sub.index, None)))
-                if self.limits.request_timeout_s is not None:
-                    heapq.heappush(self._deadlines,
-                                   (sub.arrival + self.limits.request_timeout_s, sub.request_id))
-            if failed:
-                for sub in added:  # undo the batch's accepted prompts
-                    eng.abort(sub.request_id)
-                    self._live.pop(sub.request_id, None)
-            with self._cv:  # moved from pending to waiting in one go, for the queue cap
-                self._pending -= len(batch)
-                self._pending_tokens -= sum(_prompt_tokens(s) for s in batch)
-                self._waiting = len(eng.waiting)
+            units = units_of(batch)
+            n = len(units) if window is None else fit_window(units, window, 0)
+            if not self._add_subs([s for u in units[:n] for s in u], items):
+                self._refuse([s for u in units[n:] for s in u], items)
+            elif n < len(units):  # the rest are accepted now and handed over as these prefill
+                self._held.append(Held(batch[0].sink, deque(units[n:])))
+                items += [(s.sink, ("added", s.index, None)) for u in units[n:] for s in u]
         for rid in cmds.aborts:
             if rid in self._live:
-                eng.abort(rid)  # pages go back now; the final output comes with the next step
+                self.engine.abort(rid)  # pages go back now; the final output comes next step
+            else:
+                self._drop_held(rid)
         if cmds.fail_all is not None:
             for rid in list(self._live):
                 self._end_with(rid, cmds.fail_all, items, "abort")
+            for g in self._held:
+                self._refuse([s for u in g.units for s in u], items, cmds.fail_all)
+            self._held.clear()
+
+    def _add_subs(self, subs: list[Submission], items: list, released: bool = False) -> bool:
+        """Add one request's submissions to the engine, all or none: a prompt the engine
+        rejects fails with the rest of them (those added are undone). A ``released`` prompt
+        (held until now) enters the engine's queue as a request arriving now, so that it does
+        not go ahead of those that came after its HTTP request (the deadline and the server's
+        latency metrics still count from that request's arrival)."""
+        now = self.engine.clock()
+        eng = self.engine
+        added: list[Submission] = []
+        failed = False
+        for sub in subs:
+            if failed:  # one prompt of a batch rejected: the rest is not started
+                items.append((sub.sink, ("error", sub.index, sibling_rejected())))
+                continue
+            try:
+                req = eng.add_request(sub.prompt, sub.params, request_id=sub.request_id,
+                                      request_class=sub.request_class,
+                                      priority=sub.priority,
+                                      arrival_time=now if released else sub.arrival,
+                                      cache_salt=sub.cache_salt, follows=sub.follows)
+            except Exception as e:  # a bad request never takes the engine down
+                if not isinstance(e, InvalidRequestError):
+                    log.exception("add_request failed for %s", sub.request_id)
+                items.append((sub.sink, ("error", sub.index, e)))
+                failed = True
+                continue
+            cls = getattr(req.request_class, "value", req.request_class)
+            cls = cls if cls in REQUEST_CLASSES else "agent"
+            self._live[sub.request_id] = _Live(sub, req, self.metrics.c[cls])
+            added.append(sub)
+            items.append((sub.sink, ("added", sub.index, None)))
+            if self.limits.request_timeout_s is not None:
+                heapq.heappush(self._deadlines,
+                               (sub.arrival + self.limits.request_timeout_s, sub.request_id))
+        if failed:
+            for sub in added:  # undo the batch's accepted prompts
+                eng.abort(sub.request_id)
+                self._live.pop(sub.request_id, None)
+        self._unpend(subs)
+        return not failed
+
+    def _unpend(self, subs: Sequence[Submission]) -> None:
+        with self._cv:  # moved from pending to the engine (or ended) in one go, for the caps
+            self._pending -= len(subs)
+            self._pending_tokens -= sum(prompt_tokens(s) for s in subs)
+            self._waiting = len(self.engine.waiting)
+
+    def _refuse(self, subs: list[Submission], items: list,
+                error: BaseException | None = None) -> None:
+        """End submissions that never reach the engine, with ``error`` (by default: another
+        prompt of their request was rejected)."""
+        items += [(s.sink, ("error", s.index, error or sibling_rejected())) for s in subs]
+        self._unpend(subs)
+
+    def _drop_held(self, rid: str) -> None:
+        """An abort of a prompt still held: its unit (its n > 1 siblings too) is dropped."""
+        for g in self._held:
+            for unit in g.units:
+                if any(s.request_id == rid for s in unit):
+                    g.units.remove(unit)
+                    self._unpend(unit)
+                    if not g.units:
+                        self._held.remove(g)
+                    return
+
+    def _release_held(self, items: list) -> None:
+        """Hand held prompts to the engine while their request's prompts in the engine that
+        have not prefilled yet hold fewer than ``request_prefill_window`` tokens."""
+        if not self._held:
+            return
+        unprefilled: dict[int, int] = {}
+        for live in self._live.values():
+            if live.n_tokens == 0 and live.sub.follows is None:
+                key = id(live.sub.sink)
+                unprefilled[key] = unprefilled.get(key, 0) + prompt_tokens(live.sub)
+        window = self.limits.request_prefill_window or 0
+        for g in list(self._held):
+            if self._held_expired(g, items):
+                continue
+            n = fit_window(list(g.units), window, unprefilled.get(id(g.sink), 0))
+            subs = [s for _ in range(n) for s in g.units.popleft()]
+            if subs and not self._add_subs(subs, items, released=True):  # one was rejected
+                for rid, live in list(self._live.items()):
+                    if live.sub.sink is g.sink:
+                        self._end_with(rid, sibling_rejected(), items, "abort")
+                self._refuse([s for u in g.units for s in u], items)
+                g.units.clear()
+            if not g.units:
+                self._held.remove(g)
+
+    def _held_expired(self, g: Held, items: list) -> bool:
+        """End a held request's prompts past its deadline (arrival + request timeout)."""
+        timeout = self.limits.request_timeout_s
+        if timeout is None or self.engine.clock() < g.units[0][0].arrival + timeout:
+            return False
+        self._refuse([s for u in g.units for s in u], items, timeout_error(timeout))
+        self._held.remove(g)
+        return True
 
     def _end_with(self, rid: str, error: BaseException, items: list, reason: str) -> None:
         """End a live request now with an error event (its pages go back at once)."""
@@ -358,10 +448,8 @@ class EngineBridge:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
             if rid in self._live:
-                self._end_with(rid, ServiceUnavailableError(
-                    f"The request did not finish within the server's request timeout "
-                    f"({self.limits.request_timeout_s:g}s, --request-timeout)",
-                    code="request_timeout"), items, "abort")
+                self._end_with(rid, timeout_error(self.limits.request_timeout_s), items,
+                               "abort")
 
     def _reconcile(self, items: list) -> None:
         """After a step the engine failed: every live request it ended must have had its
@@ -483,7 +571,9 @@ class EngineBridge:
             f"the engine loop died: {type(exc).__name__}: {exc}")
         items = [(live.sub.sink, ("error", live.sub.index, err)) for live in self._live.values()]
         items += [(sub.sink, ("error", sub.index, err)) for batch in cmds.adds for sub in batch]
+        items += [(s.sink, ("error", s.index, err)) for g in self._held for u in g.units for s in u]
         self._live.clear()
+        self._held.clear()
         self._deliver(items)
 
 

@@ -1,5 +1,6 @@
 """Token budget controllers: tokens per iteration, read each pass and fed each step's time;
-``make_budget_controller`` builds one from the config for either host."""
+``make_budget_controller`` builds one from the config for either host. :class:`StepTimeCap`
+is the safety cap beside them: tokens per iteration bounded by the time a step may take."""
 
 from __future__ import annotations
 
@@ -89,3 +90,37 @@ def make_budget_controller(config: EngineConfig, pool_tokens: int) -> BudgetCont
         return EMABudget(initial, config.ema_alpha, config.budget_warmup,
                          min(config.budget_min, ceiling), ceiling)
     return FixedBudget(config.token_budget)
+
+
+class StepTimeCap:
+    """A safety cap, not a latency one: the tokens of one step bounded so that the step takes
+    about ``seconds``, from the measured time per token. Without it an uncapped mode (the
+    default, throughput mode) puts a request of 256 prompts x 2,000 tokens into one forward
+    of a minute or more, and everything else (a plain request, /health) waits behind it.
+
+    The time per token is an EMA of ``elapsed / tokens`` over steps of at least
+    ``MIN_SAMPLE`` tokens (smaller ones measure the step's fixed cost, not its tokens); a step
+    that overran ``seconds`` by half resets it at once. Fixed per-step cost makes a small step
+    overestimate the time per token, so the cap errs low and then grows as larger steps
+    measure it. Before the first measurement the cap is ``initial`` tokens. ``seconds=None``:
+    off (the limit is infinite and nothing is measured), so a config without it behaves, and
+    simulates, exactly as before."""
+
+    MIN_SAMPLE = 128
+
+    def __init__(self, seconds: float | None, initial: int = 2048, floor: int = 256,
+                 alpha: float = 0.5) -> None:
+        self.seconds = seconds
+        self.initial, self.floor, self.alpha = initial, floor, alpha
+        self.per_token: float | None = None  # seconds per token, measured
+        self.limit: float = math.inf if seconds is None else float(initial)
+
+    def observe(self, elapsed: float, tokens: int) -> None:
+        if self.seconds is None or tokens < self.MIN_SAMPLE or not elapsed > 0:
+            return
+        sample = elapsed / tokens
+        if self.per_token is None or elapsed > 1.5 * self.seconds:
+            self.per_token = sample
+        else:
+            self.per_token = (1 - self.alpha) * self.per_token + self.alpha * sample
+        self.limit = max(float(self.floor), self.seconds / self.per_token)

@@ -80,6 +80,8 @@ CAPS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("safety", "running-request limit"),
     "max_model_len": ("safety", "longest sequence the model and KV hold"),
     "max_prefill_tokens": ("safety", "prefill tokens per iteration (activation memory)"),
+    "max_step_seconds": ("safety", "tokens per iteration bounded so a step takes about this "
+                         "long, from the measured time per token (no request holds the engine)"),
 }
 
 
