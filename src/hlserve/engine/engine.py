@@ -29,7 +29,7 @@ from hlserve.request import (
     SamplingParams,
     TokenLogprobs,
 )
-from hlserve.structured.grammar import GrammarCompiler, GrammarError
+from hlserve.structured.grammar import GrammarCompiler, GrammarError, GrammarState
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
@@ -135,12 +135,16 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         follows: str | None = None,
+        grammar: GrammarState | None = None,
     ) -> Request:
         """One sequence. ``n`` > 1 is forked by the caller into sequences of
         ``params.for_sibling(i)``, each after the first naming it in ``follows`` (its
-        leader), so that they share the prompt's pages through the prefix cache."""
+        leader), so that they share the prompt's pages through the prefix cache.
+        ``grammar``: the matcher of ``params.structured_outputs``, compiled by the caller (the
+        server compiles in its own threads: a spec too large to cache took a compile of up to
+        a second here, on the engine thread, for every request that sent it)."""
         params = params or SamplingParams()
-        ids = self.check_request(prompt, params)
+        ids = self.check_request(prompt, params, compiled=grammar is not None)
         if params.num_sequences > 1:
             raise InvalidRequestError("a request of the engine is one sequence: fork n > 1 "
                                       "with params.for_sibling(i) and follows=")
@@ -155,7 +159,7 @@ class Engine:
             leader=self.requests.get(follows) if follows is not None else None,
         )
         if params.structured_outputs is not None:
-            req.grammar = self.grammars.state(params.structured_outputs)
+            req.grammar = grammar or self.grammars.state(params.structured_outputs)
         if request_id is not None:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -167,12 +171,13 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+    def check_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                      compiled: bool = False) -> list[int]:
         """The prompt's token ids if the engine would accept the request; raises
         :class:`InvalidRequestError` if not. Nothing is submitted (callers check a whole
-        batch before adding any of it)."""
+        batch before adding any of it). ``compiled``: the caller compiled the grammar."""
         ids = self.prompt_ids(prompt)
-        self.validate(ids, params)
+        self.validate(ids, params, compiled)
         return ids
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -193,12 +198,12 @@ class Engine:
                     raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
         return ids
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams, compiled: bool = False) -> None:
         """Raises :class:`InvalidRequestError` if the engine cannot serve these ids/params."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # again: a frozen dataclass can still be changed behind its back
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not compiled:
             self.grammars.compile(params.structured_outputs)  # cached: add_request reuses it
         if not ids:
             raise InvalidRequestError("the prompt is empty")

@@ -71,6 +71,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     st.bridge.start(asyncio.get_running_loop())
     yield
     await asyncio.to_thread(st.bridge.stop)
+    st.offload.shutdown()
 
 
 def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None = None,

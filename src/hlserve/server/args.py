@@ -56,6 +56,10 @@ class ServerSettings:
     timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    # the pools a request's heavy work runs in, and what one client may have in each
+    prep_workers: int = 4
+    grammar_workers: int = 2
+    max_offload_per_client: int = 2
     # the lowest (most urgent) priority a request may declare; None: any int32, or 0 once
     # API keys are configured (a tenant cannot put itself ahead of the others)
     min_priority: int | None = None
@@ -141,6 +145,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts-per-request", type=_positive(int), default=DEFAULT_MAX_PROMPTS,
                    help="a completions request with more prompts gets 400 "
                         f"(default: {DEFAULT_MAX_PROMPTS})")
+    g.add_argument("--prep-workers", type=_positive(int), default=4,
+                   help="threads that parse large bodies, render chats, tokenize and build "
+                        "large responses, off the event loop (default: 4)")
+    g.add_argument("--grammar-workers", type=_positive(int), default=2,
+                   help="threads that compile structured-output grammars (default: 2)")
+    g.add_argument("--max-offload-per-client", type=_positive(int), default=2,
+                   help="tasks one client (API key, else address) may have running or queued "
+                        "in each of those pools; more wait their turn (default: 2)")
     g.add_argument("--min-priority", type=int, default=None,
                    help="the lowest (most urgent) 'priority' a request may declare; lower gets "
                         "400 (default: any, or 0 when API keys are configured)")
@@ -179,6 +191,9 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         timeout_keep_alive_s=args.timeout_keep_alive_s,
         max_request_body_bytes=args.max_request_body_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
+        prep_workers=args.prep_workers,
+        grammar_workers=args.grammar_workers,
+        max_offload_per_client=args.max_offload_per_client,
         min_priority=args.min_priority,
         log_level=args.log_level,
         access_log=args.access_log,

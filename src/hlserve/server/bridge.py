@@ -56,6 +56,7 @@ from hlserve.server.args import (
 )
 from hlserve.server.events import Event, EventSink, Submission
 from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
+from hlserve.server.offload import start_thread
 from hlserve.server.prompt_window import (
     Held,
     fit_window,
@@ -138,8 +139,8 @@ class EngineBridge:
     # ---- lifecycle (event-loop side) -------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._main, name="hlserve-engine", daemon=True)
-        self._thread.start()
+        # a deep stack: the engine thread advances grammar matchers, which recurse natively
+        self._thread = start_thread(self._main, "hlserve-engine")
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -353,7 +354,8 @@ class EngineBridge:
                                       request_class=sub.request_class,
                                       priority=sub.priority,
                                       arrival_time=now if released else sub.arrival,
-                                      cache_salt=sub.cache_salt, follows=sub.follows)
+                                      cache_salt=sub.cache_salt, follows=sub.follows,
+                                      grammar=sub.grammar)
             except Exception as e:  # a bad request never takes the engine down
                 if not isinstance(e, InvalidRequestError):
                     log.exception("add_request failed for %s", sub.request_id)

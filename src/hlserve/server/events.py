@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlserve.request import RequestOutput, SamplingParams
+from hlserve.structured.grammar import GrammarState
 
 Event = tuple[str, int, Any]  # (kind, index, payload)
 
@@ -74,6 +75,7 @@ class Submission:
     sink: EventSink
     cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
     follows: str | None = None  # n > 1: the first sibling's request id (see Engine.add_request)
+    grammar: GrammarState | None = None  # its constraint's matcher, compiled off the engine
 
 
 class RequestGroup:

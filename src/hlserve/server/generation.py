@@ -27,6 +27,7 @@ from hlserve.server.reasoning import ReasoningParser, reasoning_for
 from hlserve.server.state import ServerState
 from hlserve.server.tool_parsers import ToolPlan, tool_plan
 from hlserve.structured import StructuredOutputsParams
+from hlserve.structured.grammar import GrammarState
 
 
 def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
@@ -61,11 +62,12 @@ def chat_tool_plan(st: ServerState, req: Any) -> tuple[ToolPlan, dict[str, Any]]
                      st.settings.tool_call_parser, st.settings.enable_auto_tool_choice)
 
 
-async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
+async def constrain(st: ServerState, req: Any, params: list[SamplingParams], client: str
                     ) -> list[SamplingParams]:
     """``params`` with the request's output constraint (response_format, structured_outputs,
     guided_*, or tool_choice required / named), compiled here so that a bad schema is a 400
-    before the engine sees it (in a thread: the first compile indexes the vocabulary)."""
+    before the engine sees it (in the ``grammar`` pool under the client's limit: a compile
+    may take seconds, and the first one indexes the vocabulary)."""
     named = named_constraint(req)
     param, spec = named if named else (None, None)
     plan, functions = chat_tool_plan(st, req)
@@ -80,7 +82,7 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams]
         spec, param = tool_spec, "tools"
     if spec is None:
         return params
-    await asyncio.to_thread(compile_spec, st, spec, param)
+    await st.offload.run("grammar", client, compile_spec, st, spec, param)
     return [replace(p, structured_outputs=spec) for p in params]
 
 
@@ -90,6 +92,23 @@ def compile_spec(st: ServerState, spec: StructuredOutputsParams, param: str | No
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param=param or "response_format",
                        code="invalid_value") from None
+
+
+def prepare_grammars(st: ServerState, subs: list[Submission]) -> None:
+    """Each constrained submission's own matcher, compiled here (in the ``grammar`` pool)
+    rather than by the engine thread when it adds the request: a spec too large for the
+    cache is compiled anew each time, up to a second, which held every request's steps."""
+    first: dict[tuple, GrammarState] = {}  # a spec's first matcher; the others copy it
+    for sub in subs:
+        if (spec := sub.params.structured_outputs) is None:
+            continue
+        if (done := first.get(spec.key())) is not None:
+            sub.grammar = GrammarState(done.matcher.deep_copy())
+            continue
+        try:
+            sub.grammar = first[spec.key()] = st.engine.grammars.state(spec)
+        except InvalidRequestError as e:  # compiled once already: only if it changed
+            raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
 
 
 async def submit(st: ServerState, request_id: str, prompts: list[list[int]],
@@ -109,6 +128,8 @@ async def submit(st: ServerState, request_id: str, prompts: list[list[int]],
                                    who.request_class, who.priority, inbound.arrival, index, sink,
                                    cache_salt=who.cache_salt,
                                    follows=subs[i * k].request_id if j else None))
+    if any(s.params.structured_outputs is not None for s in subs):
+        await st.offload.run("grammar", inbound.client, prepare_grammars, st, subs)
     group = RequestGroup(subs, sink, st.bridge.abort)
     try:
         st.bridge.submit(subs)

@@ -4,14 +4,15 @@ A body is read under a size limit (413), parsed strictly into its request model 
 the field at fault), checked against what this server supports and serves (model name,
 features, tools, response format, batch caps), completed with the model's sampling defaults
 for the fields it leaves out, and given its caller: the request class, priority and
-prefix-cache salt that the request, its headers and its API key imply. Large bodies are
-parsed in a worker thread (``OFFLOAD_CHARS``). What comes out is an
-:class:`Inbound`, ready to be tokenized (:mod:`hlserve.server.prompts`).
+prefix-cache salt that the request, its headers and its API key imply. Large bodies
+(``OFFLOAD_CHARS``) are counted (``limits.check_body_nodes``) and parsed in the server's
+``prep`` pool under the client's limit (:mod:`hlserve.server.offload`), never on the event
+loop. What comes out is an :class:`Inbound`, ready to be tokenized
+(:mod:`hlserve.server.prompts`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from hlserve.request import REQUEST_CLASSES
 from hlserve.server.agent_checks import check_response_format, check_tools
 from hlserve.server.auth import KEY_SCOPE, ApiKey
 from hlserve.server.errors import ClientGone
+from hlserve.server.limits import check_body_nodes
 from hlserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -38,6 +40,7 @@ from hlserve.server.state import ServerState
 
 OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized in a thread
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest)
+T = TypeVar("T")
 
 
 def check_model(st: ServerState, name: str | None) -> None:
@@ -83,42 +86,77 @@ class Inbound:
     caller: Caller
     arrival: float  # the engine clock's time when the request arrived
     offload: bool  # a large body: template and tokenize in a worker thread
+    client: str  # whom its offloaded work counts against (offload.client_of)
 
 
 async def read_request(request: Request, st: ServerState,
                        model: type[GenerationRequest]) -> Inbound:
     arrival = st.clock()
     body = await read_body(request, st.settings.max_request_body_bytes)
-    offload = len(body) > OFFLOAD_CHARS
-    try:
-        req = await asyncio.to_thread(model.model_validate_json, body) if offload \
-            else model.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    offload, client = len(body) > OFFLOAD_CHARS, client_of(request)
+    req = await parse_body(st, body, model, client) if offload else parse(body, model)
     check_model(st, req.model)
     req.check_supported()
     check_response_format(req.response_format)
     if isinstance(req, ChatCompletionRequest):
         check_tools(req.tools, req.tool_choice)
     req = st.sampling_defaults.apply(req)
-    return Inbound(req, caller_of(request, st, req), arrival, offload)
+    return Inbound(req, caller_of(request, st, req), arrival, offload, client)
+
+
+def parse(body: bytes, model: type[T]) -> T:
+    """``body`` validated strictly into ``model`` (400 naming the field at fault)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+async def parse_body(st: ServerState, body: bytes, model: type[T], client: str) -> T:
+    """A large body counted, then parsed, in the ``prep`` pool (validation holds the GIL
+    for as long as the body's nodes take, so they are bounded first)."""
+
+    def run() -> T:
+        check_body_nodes(body)
+        return parse(body, model)
+
+    return await st.offload.run("prep", client, run)
 
 
 async def read_plain(request: Request, st: ServerState, model: type[Any]) -> Any:
-    """A body of ``model`` (strict, size-limited), for endpoints that generate nothing."""
+    """A body of ``model`` (strict, size-limited), for endpoints that generate nothing; a
+    large one counted and parsed in the ``prep`` pool, as a generation request's."""
     body = await read_body(request, st.settings.max_request_body_bytes)
+
+    def run() -> Any:
+        if len(body) > OFFLOAD_CHARS:
+            check_body_nodes(body)
+        return parse(body, plain_model(body, model))
+
+    req = await st.offload.run("prep", client_of(request), run) \
+        if len(body) > OFFLOAD_CHARS else run()
+    check_model(st, req.model)
+    return req
+
+
+def plain_model(body: bytes, model: type[Any]) -> type[Any]:
+    """``/tokenize`` takes a prompt or chat messages: vLLM's two shapes of one endpoint."""
+    if model is not TokenizeCompletionRequest:
+        return model
     try:
         parsed = json.loads(body)
     except ValueError:
-        parsed = None
-    if model is TokenizeCompletionRequest and isinstance(parsed, dict) and "messages" in parsed:
-        model = TokenizeChatRequest  # vLLM's two shapes of one endpoint
-    try:
-        req = model.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    check_model(st, req.model)
-    return req
+        return model
+    return TokenizeChatRequest if isinstance(parsed, dict) and "messages" in parsed else model
+
+
+def client_of(request: Request) -> str:
+    """Whom a request's offloaded work counts against: its API key, else its address."""
+    key: ApiKey | None = request.scope.get(KEY_SCOPE)
+    if key is not None:
+        return f"key:{key.id}"
+    peer = request.client
+    return f"addr:{peer.host}" if peer is not None else "addr:?"
 
 
 def caller_of(request: Request, st: ServerState, req: Any) -> Caller:

@@ -1,15 +1,14 @@
 """Prompts into token ids, with the work bounded by the context.
 
 Text prompts and chats are tokenized (chats rendered with the model's chat template first),
-in a worker thread when large. A text far longer than the context is tokenized in part
+when large in the server's ``prep`` pool under the client's limit (:mod:`hlserve.server.offload`):
+the chat's messages are prepared for the template there too, never on the event loop. A text far longer than the context is tokenized in part
 first and refused if that part alone is over the context (``HEAD_CHARS_PER_TOKEN``), so
 what a prompt costs is bounded by the context, not by the size of the body.
 """
 
 from __future__ import annotations
 
-import asyncio
-from functools import partial
 from typing import Any
 
 from hlserve.errors import InvalidRequestError
@@ -35,7 +34,7 @@ def need_tokenizer(st: ServerState) -> Tokenizer:
 
 
 async def encode_prompts(st: ServerState, prompts: list[str | list[int]],
-                         offload: bool) -> list[list[int]]:
+                         offload: bool, client: str) -> list[list[int]]:
     texts = [p for p in prompts if isinstance(p, str)]
     if not texts:
         return prompts  # type: ignore[return-value]
@@ -48,7 +47,7 @@ async def encode_prompts(st: ServerState, prompts: list[str | list[int]],
                 for p in prompts]
 
     if offload or sum(map(len, texts)) > OFFLOAD_CHARS:
-        return await asyncio.to_thread(run)
+        return await st.offload.run("prep", client, run)
     return run()
 
 
@@ -91,7 +90,8 @@ def text_chars(obj: Any) -> int:
     return 0
 
 
-async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool) -> list[int]:
+async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool,
+                      client: str) -> list[int]:
     tok = st.tokenizer
     if tok is None:
         raise ApiError(400, "This model has no tokenizer, so no chat template: use "
@@ -104,11 +104,13 @@ async def encode_chat(st: ServerState, req: ChatCompletionRequest, offload: bool
     kwargs = {**reasoning_kwargs(req), **kwargs}
     if req.tools:
         kwargs["tools"] = req.tools
-    messages = parse_tool_call_arguments(req.template_messages())
-    run = partial(bounded_chat, tok, messages, req.add_generation_prompt, kwargs,
-                  st.max_model_len)
+
+    def run() -> list[int]:  # every step in proportion to the chat's size, off the loop
+        messages = parse_tool_call_arguments(req.template_messages())
+        return bounded_chat(tok, messages, req.add_generation_prompt, kwargs, st.max_model_len)
+
     try:
-        return await asyncio.to_thread(run) if offload else run()
+        return await st.offload.run("prep", client, run) if offload else run()
     except InvalidRequestError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_value") from None
 

@@ -7,6 +7,7 @@ calls taken out of its text, and usage that counts each prompt once.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hlserve.request import RequestOutput
@@ -75,3 +76,46 @@ def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
     apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
             "choices": choices, "usage": total_usage(outs, req.n)}
+
+
+JSON_SLICE = 64  # items of a long list serialised per json.dumps call (see render_json)
+
+
+def render_json(obj: Any) -> bytes:
+    """``obj`` as Starlette's ``JSONResponse`` renders it (compact, UTF-8, no NaN), byte for
+    byte, but in pieces: one ``json.dumps`` holds the GIL throughout, ~1 s for the 40 MB of a
+    large logprobs response, and the event loop with it even from a worker thread. Dicts and
+    lists are walked, and long lists dumped JSON_SLICE items at a time, so the GIL changes
+    hands between pieces."""
+    parts: list[str] = []
+    _render(obj, parts)
+    return "".join(parts).encode("utf-8")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _render(obj: Any, parts: list[str]) -> None:
+    if isinstance(obj, dict) and obj:
+        sep = "{"
+        for key, value in obj.items():
+            parts.append(f"{sep}{_dumps(str(key))}:")
+            _render(value, parts)
+            sep = ","
+        parts.append("}")
+    elif isinstance(obj, list) and len(obj) > JSON_SLICE:
+        sep = "["
+        for i in range(0, len(obj), JSON_SLICE):
+            parts.append(sep + _dumps(obj[i:i + JSON_SLICE])[1:-1])
+            sep = ","
+        parts.append("]")
+    elif isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        sep = "["
+        for value in obj:
+            parts.append(sep)
+            _render(value, parts)
+            sep = ","
+        parts.append("]")
+    else:
+        parts.append(_dumps(obj))

@@ -11,7 +11,6 @@ errors); :func:`json_body` still declares each body's model for ``/openapi.json`
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,14 @@ from hlserve.server.generation import (
     sampling,
     submit,
 )
-from hlserve.server.intake import Inbound, check_batch, check_model, read_plain, read_request
+from hlserve.server.intake import (
+    Inbound,
+    check_batch,
+    check_model,
+    client_of,
+    read_plain,
+    read_request,
+)
 from hlserve.server.metrics import CONTENT_TYPE
 from hlserve.server.prompts import (
     encode_bounded,
@@ -46,7 +52,7 @@ from hlserve.server.protocol import (
     error_body,
     new_id,
 )
-from hlserve.server.responses import chat_body, completion_body
+from hlserve.server.responses import chat_body, completion_body, render_json
 from hlserve.server.state import ServerState, hlserve_version, state_of
 from hlserve.server.streaming import (
     ChatChunks,
@@ -96,6 +102,8 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 
 # ---- generation endpoints --------------------------------------------------------------------
 
+INLINE_RESPONSE_WEIGHT = 4096  # token entries of a body built on the loop; more: prep pool
+
 
 async def respond(request: Request, st: ServerState, group: RequestGroup, rid: str,
                   inbound: Inbound, chunks: type[Chunks],
@@ -115,7 +123,20 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
     outs = await collect(request, group)
     if outs is None:
         return Response(status_code=499)
-    return JSONResponse(body(st, rid, model, req, outs, echo))
+    if response_weight(outs, req) <= INLINE_RESPONSE_WEIGHT:
+        return JSONResponse(body(st, rid, model, req, outs, echo))
+    # a large body (long outputs, logprobs: one decode per entry) is built and serialised in
+    # the prep pool: a 20 MB logprobs response took seconds on the event loop
+    content = await st.offload.run("prep", inbound.client,
+                                   lambda: render_json(body(st, rid, model, req, outs, echo)))
+    return Response(content, media_type="application/json")
+
+
+def response_weight(outs: list[Any], req: Any) -> int:
+    """What building a response costs, in token entries: each output token, times the
+    logprobs it carries (the chosen token and top_logprobs alternatives)."""
+    per_token = 1 if req.requested_logprobs is None else req.requested_logprobs + 2
+    return per_token * sum(len(o.token_ids) for o in outs)
 
 
 async def completions(request: Request) -> Response:
@@ -124,8 +145,8 @@ async def completions(request: Request) -> Response:
     req = inbound.req
     prompts = req.prompts()
     check_batch(st, prompts, req.best_of or req.n, "best_of" if req.best_of else "n")
-    ids = await encode_prompts(st, prompts, inbound.offload)
-    params = await constrain(st, req, [sampling(st, req, len(p)) for p in ids])
+    ids = await encode_prompts(st, prompts, inbound.offload, inbound.client)
+    params = await constrain(st, req, [sampling(st, req, len(p)) for p in ids], inbound.client)
     if req.echo and st.tokenizer is None and any(isinstance(p, list) for p in prompts):
         raise no_tokenizer("echo needs one to show token-id prompts as text")
     rid = new_id("cmpl")
@@ -149,9 +170,9 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     inbound = await read_request(request, st, ChatCompletionRequest)
     check_batch(st, [None], inbound.req.n)
-    ids = await encode_chat(st, inbound.req, inbound.offload)
+    ids = await encode_chat(st, inbound.req, inbound.offload, inbound.client)
     params = sampling(st, inbound.req, len(ids))
-    params = (await constrain(st, inbound.req, [params]))[0]
+    params = (await constrain(st, inbound.req, [params], inbound.client))[0]
     rid = new_id("chatcmpl")
     group = await submit(st, rid, [ids], [params], inbound)
     return await respond(request, st, group, rid, inbound, ChatChunks, chat_body)
@@ -168,11 +189,11 @@ async def tokenize(request: Request) -> dict[str, Any]:
     tok = need_tokenizer(st)
     if isinstance(req, TokenizeChatRequest):
         req.check_supported()
-        ids = await encode_chat(st, req, offload=True)
+        ids = await encode_chat(st, req, True, client_of(request))
     else:
         # bounded as a completion's prompt: a huge one is refused after a context's worth
-        ids = await asyncio.to_thread(encode_bounded, tok, req.prompt, st.max_model_len,
-                                      req.add_special_tokens)
+        ids = await st.offload.run("prep", client_of(request), encode_bounded, tok, req.prompt,
+                                   st.max_model_len, req.add_special_tokens)
     return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids,
             "token_strs": [tok.token_str(t) for t in ids] if req.return_token_strs else None}
 

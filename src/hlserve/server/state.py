@@ -19,6 +19,7 @@ from hlserve.server.auth import KeyTable
 from hlserve.server.bridge import BridgeLimits, EngineBridge
 from hlserve.server.defaults import SamplingDefaults
 from hlserve.server.metrics import ServerMetrics
+from hlserve.server.offload import Offload, OffloadLimits
 from hlserve.server.protocol import now_s
 
 
@@ -51,6 +52,9 @@ class ServerState:
             else (0 if keys.enabled else None)
         self.metrics = ServerMetrics(self.model_name)
         self.bridge = EngineBridge(engine, self.metrics, BridgeLimits.from_settings(settings))
+        # a request's heavy work (parse, template, tokenize, compile, respond), off the loop
+        self.offload = Offload(OffloadLimits(settings.prep_workers, settings.grammar_workers,
+                                             settings.max_offload_per_client))
         self.clock = engine.clock
         self.created = now_s()
         # generation_config.json's sampling defaults, for fields a request leaves out

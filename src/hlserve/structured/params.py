@@ -8,6 +8,9 @@ from typing import Any
 
 from hlserve.errors import InvalidRequestError
 
+# llguidance's Earley rows hold at most 2,000 items and a choice of k strings opens a row of
+# k + 1, so a longer choice can never match: refused before a compile of up to seconds
+MAX_CHOICES = 1999
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar: compiled per distinct text, so bounded
 
 
@@ -46,6 +49,9 @@ class StructuredOutputsParams:
                 not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError(
                 "structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise InvalidRequestError(f"a choice of {len(self.choice)} strings; at most "
+                                      f"{MAX_CHOICES} (the grammar engine's limit)")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
