@@ -50,8 +50,9 @@ class StructuredOutputsParams:
             raise InvalidRequestError(
                 "structured_outputs.choice must be a non-empty list of non-empty strings")
         if self.choice is not None and len(self.choice) > MAX_CHOICES:
-            raise InvalidRequestError(f"a choice of {len(self.choice)} strings; at most "
-                                      f"{MAX_CHOICES} (the grammar engine's limit)")
+            raise InvalidRequestError(
+                f"invalid choice for structured output: {len(self.choice)} strings; at most "
+                f"{MAX_CHOICES} (the grammar engine's Earley rows hold 2,000 items)")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
