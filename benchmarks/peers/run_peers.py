@@ -40,12 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -172,11 +174,12 @@ def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
 
 
 def hlserve_server(model: Path, port: int, max_len: int, mode: str, log: Path,
-                   kv_gib: int, threads: int | None = None) -> ExternalServer:
+                   kv_gib: int, threads: int | None = None,
+                   extra: Sequence[str] = ()) -> ExternalServer:
     cmd = [sys.executable, "-m", "hlserve.cli", "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "m", "--dtype", "bfloat16",
            "--max-model-len", str(max_len), "--mode", mode, "--kv-cache-gb", str(kv_gib),
-           "--uvicorn-log-level", "warning"]
+           "--uvicorn-log-level", "warning", *extra]
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None  # torch's intra-op threads
     return ExternalServer(cmd, "127.0.0.1", port, log, env, health_timeout=600)
 
@@ -184,8 +187,9 @@ def hlserve_server(model: Path, port: int, max_len: int, mode: str, log: Path,
 def parse_server(name: str) -> tuple[str, str | None, int | None]:
     """``vllm``, ``vllm-1t``, ``vllm-hlserve``, ``hlserve-throughput``, ``hlserve-slo-1t``:
     (kind, mode,
-    threads); no suffix: vLLM binds 2 threads (PEERS.md), hlserve takes torch's default."""
-    parts = name.split("-")
+    threads); no suffix: vLLM binds 2 threads (PEERS.md), hlserve takes torch's default. A
+    ``@VARIANT`` suffix (hlserve only) adds that ``--variant``'s flags."""
+    parts = name.split("@")[0].split("-")
     threads = None
     if parts[-1].endswith("t") and parts[-1][:-1].isdigit():
         threads = int(parts.pop()[:-1])
@@ -234,12 +238,17 @@ def main() -> int:
     ap.add_argument("--tool-output-len", default="128:384")
     ap.add_argument("--output-len", default="32:96")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="extra hlserve serve flags for servers named hlserve-MODE@NAME, e.g. "
+                         "--variant 'nocap=--max-step-seconds none' with --servers "
+                         "hlserve-throughput,hlserve-throughput@nocap,...")
     ap.add_argument("--profile", type=Path, default=None,
                     help="also record py-spy stacks of the hlserve servers into this folder "
                          "(a separate, unmeasured pass after the measured one)")
     args = ap.parse_args()
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    variants = {k: shlex.split(v) for k, v in (x.split("=", 1) for x in args.variant)}
     py = ensure_vllm(args.vllm_venv) if any(parse_server(n)[0] == "vllm" for n in servers) \
         else None
     if any(parse_server(n)[:2] == ("vllm", "hlserve") for n in servers):
@@ -268,7 +277,7 @@ def main() -> int:
                               plugin=mode == "hlserve")
         else:
             srv = hlserve_server(model, port, args.max_model_len, mode, log, args.kv_gib,
-                                 threads)
+                                 threads, variants[name.split("@")[1]] if "@" in name else ())
         t = time.perf_counter()
         with srv:
             print(f"\n== {name}: ready in {time.perf_counter() - t:.0f}s; warming up", flush=True)
