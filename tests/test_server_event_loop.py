@@ -249,3 +249,16 @@ def test_render_json_is_byte_for_byte_starlettes() -> None:
         assert render_json(obj) == JSONResponse(obj).body
     with pytest.raises(ValueError):
         render_json({"nan": [float("nan")] * 100})
+
+
+def test_a_gbnf_grammar_too_costly_to_convert_is_refused_at_once(server: ServerProcess) -> None:
+    rules = "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(5000))
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/chat/completions", headers=auth("victim"), json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "guided_grammar": f'root ::= r0\n{rules}\nr5000 ::= "z"\n'})
+        took = time.monotonic() - t0
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+    assert "at most 1000" in r.json()["error"]["message"]
+    assert took < 2.0, took  # converting it took 40 s of a grammar thread

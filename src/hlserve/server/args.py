@@ -58,7 +58,7 @@ class ServerSettings:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
     # the pools a request's heavy work runs in, and what one client may have in each
     prep_workers: int = 4
-    grammar_workers: int = 2
+    grammar_workers: int = 4
     max_offload_per_client: int = 2
     # the lowest (most urgent) priority a request may declare; None: any int32, or 0 once
     # API keys are configured (a tenant cannot put itself ahead of the others)
@@ -148,8 +148,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prep-workers", type=_positive(int), default=4,
                    help="threads that parse large bodies, render chats, tokenize and build "
                         "large responses, off the event loop (default: 4)")
-    g.add_argument("--grammar-workers", type=_positive(int), default=2,
-                   help="threads that compile structured-output grammars (default: 2)")
+    g.add_argument("--grammar-workers", type=_positive(int), default=4,
+                   help="threads that compile structured-output grammars (default: 4)")
     g.add_argument("--max-offload-per-client", type=_positive(int), default=2,
                    help="tasks one client (API key, else address) may have running or queued "
                         "in each of those pools; more wait their turn (default: 2)")

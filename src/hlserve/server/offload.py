@@ -77,7 +77,7 @@ class WorkerPool:
 @dataclass(frozen=True)
 class OffloadLimits:
     prep_workers: int = 4
-    grammar_workers: int = 2
+    grammar_workers: int = 4  # more than per_client: one client never holds them all
     per_client: int = 2  # tasks one client may have running or queued in each pool
 
 

@@ -11,6 +11,10 @@ from hlserve.errors import InvalidRequestError
 # llguidance's Earley rows hold at most 2,000 items and a choice of k strings opens a row of
 # k + 1, so a longer choice can never match: refused before a compile of up to seconds
 MAX_CHOICES = 1999
+# a GBNF grammar is converted to Lark by llguidance's pure-Python converter, whose time grows
+# with the square of its rules (a chain of 1,000: 1.5 s; 5,000: 40 s; 20,000: over 5 min of
+# a compile thread); grammars written by hand or generated from a schema have tens to hundreds
+MAX_GBNF_RULES = 1000
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar: compiled per distinct text, so bounded
 
 
@@ -53,6 +57,11 @@ class StructuredOutputsParams:
             raise InvalidRequestError(
                 f"invalid choice for structured output: {len(self.choice)} strings; at most "
                 f"{MAX_CHOICES} (the grammar engine's Earley rows hold 2,000 items)")
+        if isinstance(self.grammar, str) and self.grammar.count("::=") > MAX_GBNF_RULES:
+            raise InvalidRequestError(
+                f"invalid grammar for structured output: a GBNF grammar of "
+                f"{self.grammar.count('::=')} rules; at most {MAX_GBNF_RULES} (its conversion "
+                "takes time quadratic in its rules; a Lark grammar has no such limit)")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
