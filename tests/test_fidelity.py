@@ -132,22 +132,26 @@ def test_script_runs_whole(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(fitting.find_data_dir() is None, reason="Vidur profiles not found")
 def test_model_error_perturbations_come_from_the_suite_residuals() -> None:
-    """benchmarks/sim_model_error.py draws its perturbations from the held-out residuals: each
-    term moves by one of them, in the direction the residual's sign says."""
-    spec = importlib.util.spec_from_file_location("sim_model_error",
-                                                  ROOT / "benchmarks" / "sim_model_error.py")
+    """benchmarks/study_model_error.py draws its perturbations from the suite's residuals:
+    each term moves by one of them, in the direction the residual's sign says."""
+    spec = importlib.util.spec_from_file_location("study_model_error",
+                                                  ROOT / "benchmarks" / "study_model_error.py")
     assert spec and spec.loader
     sme = importlib.util.module_from_spec(spec)
-    sys.modules["sim_model_error"] = sme
+    sys.modules["study_model_error"] = sme
     spec.loader.exec_module(sme)
-    res = sme.residuals()
-    assert len(res["attn_eta_compute"]) == 3 and len(res["attn_eta_mem"]) == 2
-    base = HARDWARE["H20"]
-    import random
+    from hlserve.sim.study.model_error import draw
 
-    hw = sme.perturbed(base, res, random.Random(1), 1)
-    for e in res["attn_eta_mem"]:  # decode rows simulated slow: the real kernel is faster
+    terms = {t.name: t for t in sme.terms()}
+    assert len(terms["attention prefill"].residuals) == 3
+    assert len(terms["attention decode"].residuals) == 2
+    base = HARDWARE["H20"]
+    hw = draw(base, list(terms.values()), 0, 1).hardware
+    for e in terms["attention decode"].residuals:  # decode rows simulated slow: the real kernel is faster
         assert e > 0
     assert hw.attn_eta_mem > base.attn_eta_mem
     assert any(abs(hw.attn_eta_compute - base.attn_eta_compute / (1 + e)) < 1e-12
-               for e in res["attn_eta_compute"])
+               for e in terms["attention prefill"].residuals)
+    for e in terms["host overhead"].residuals:  # vLLM's host path is slower than hlserve's terms
+        assert e < 0
+    assert hw.iter_overhead > base.iter_overhead

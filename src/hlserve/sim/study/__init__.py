@@ -13,6 +13,7 @@ Human tax at an SLO target (TTFT p99 <= x, TPOT p99 <= y), per context and concu
 Modules, each importing only those before it: ``core`` (systems, SLOs, ``StudySpec``,
 ``Point``, ``run_point``, the SLO check, tax, frontier and components), ``runs`` (running the
 points, resumably, on seeds, locally or on Ray; loading them), ``seeds`` (the study over
-seeds, with intervals), ``plots`` (the figures), ``report`` (figures, tables and summaries
-from the stored points).
+seeds, with intervals), ``model_error`` (the cost model perturbed by the fidelity suite's
+residuals; the headline numbers over seeds and model error together), ``plots`` (the
+figures), ``report`` (figures, tables and summaries from the stored points).
 """
