@@ -218,7 +218,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if text is None:
         return None
-    if set(text) - {"format", "verbosity"}:
+    if set(text) - {"format"}:  # verbosity: nothing here could honour it
         raise _refuse(f"text has keys this server does not read: {sorted(set(text))}", "text",
                       "invalid_value")
     fmt = text.get("format")
@@ -329,12 +329,13 @@ def finish_response(shell: dict[str, Any], body: dict[str, Any]) -> dict[str, An
     choice = body["choices"][0]
     msg = choice["message"]
     items: list[dict[str, Any]] = []
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     if msg.get("reasoning_content"):
         items.append(reasoning_item(new_id("rs"), msg["reasoning_content"]))
     if msg.get("content"):
-        items.append(message_item(new_id("msg"), msg["content"], "completed"))
+        items.append(message_item(new_id("msg"), msg["content"], status))
     for call in msg.get("tool_calls") or ():
         items.append(function_call_item(new_id("fc"), call["id"], call["function"]["name"],
-                                        call["function"]["arguments"], "completed"))
+                                        call["function"]["arguments"], status))
     return {**shell, **final_status(choice["finish_reason"]), "output": items,
             "usage": response_usage(body["usage"])}

@@ -93,8 +93,9 @@ class ResponseEvents:
             item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
         return out
 
-    def close(self) -> list[str]:
-        """The open item's ``.done`` events."""
+    def close(self, status: str = "completed") -> list[str]:
+        """The open item's ``.done`` events; ``status``: the item's, "incomplete" when the
+        output was cut."""
         if self.open_key is None:
             return []
         self.open_key = None
@@ -114,7 +115,7 @@ class ResponseEvents:
             out.append(self.event("response.function_call_arguments.done", **where,
                                   name=item["name"], arguments=item["arguments"]))
         if "status" in item:
-            item["status"] = "completed"
+            item["status"] = status
         out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
 
@@ -168,7 +169,7 @@ class ResponseEvents:
         return out
 
     def finish(self) -> list[str]:
-        out = self.close()
+        out = self.close(final_status(self.finish_reason)["status"])
         final = {**self.shell, **final_status(self.finish_reason), "output": self.items,
                  "usage": response_usage(self.usage)}
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
