@@ -38,6 +38,15 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` for chat templates (what vLLM renders with), not jinja2's:
+    keys in their order, no HTML escaping, non-ASCII kept; jinja2's sorts the keys and
+    escapes, so a tool schema or tool-call arguments would reach the model reordered."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 # the arguments the renderer itself passes to a chat template: a request's
 # ``chat_template_kwargs`` must not replace them
 TEMPLATE_ARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
@@ -57,7 +66,9 @@ class Tokenizer:
         eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                  extensions=["jinja2.ext.loopcontrols"])
+        self._env.filters["tojson"] = _tojson
         self._env.globals["raise_exception"] = _raise
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.special_tokens = tuple(sorted(

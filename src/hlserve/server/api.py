@@ -43,6 +43,7 @@ from hlserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from hlserve.server.responses_api import ResponsesRequest
 from hlserve.server.routes import add_routes
 from hlserve.server.state import ServerState, hlserve_version
 from hlserve.tokenizer import Tokenizer
@@ -50,7 +51,7 @@ from hlserve.tokenizer import Tokenizer
 log = logging.getLogger("hlserve.server")
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
-                  TokenizeChatRequest, DetokenizeRequest)
+                  TokenizeChatRequest, DetokenizeRequest, ResponsesRequest)
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:

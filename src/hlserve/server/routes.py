@@ -1,6 +1,7 @@
 """The endpoints: one handler per route, and :func:`add_routes`, which lists them all.
 
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(server/responses_api.py), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (and their ``/v1/``
 aliases), ``GET|HEAD /health``, ``GET|POST|HEAD /ping``, ``GET /metrics`` and
 ``GET /version``. A generation handler is intake, tokenizing, constraining and submitting
@@ -53,6 +54,7 @@ from hlserve.server.protocol import (
     new_id,
 )
 from hlserve.server.responses import chat_body, completion_body, render_json
+from hlserve.server.responses_api import ResponsesRequest, create_response
 from hlserve.server.state import ServerState, hlserve_version, state_of
 from hlserve.server.streaming import (
     ChatChunks,
@@ -232,6 +234,8 @@ def add_routes(app: FastAPI) -> None:
                       openapi_extra=json_body(CompletionRequest))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
                       openapi_extra=json_body(ChatCompletionRequest))
+    app.add_api_route("/v1/responses", create_response, methods=["POST"],
+                      openapi_extra=json_body(ResponsesRequest))
     for prefix in ("", "/v1"):  # vLLM serves them at the root; /v1 for clients that prefix
         app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"],
                           name=f"tokenize{prefix.replace('/', '_')}",

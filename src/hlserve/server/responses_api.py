@@ -1,0 +1,341 @@
+"""``POST /v1/responses``: OpenAI's Responses API, as vLLM serves it, on the chat path.
+
+A Responses request is translated into the chat request it means (``instructions`` the
+system message; ``input`` items into messages, ``function_call`` items into an assistant
+turn's ``tool_calls`` and ``function_call_output`` items into tool messages; ``tools`` from
+the flat Responses shape to chat's nested one; ``text.format`` into ``response_format``;
+``reasoning.effort`` into ``reasoning_effort``) and run through the very checks, template,
+tool parsers and reasoning parser that chat completions use. The chat body that comes back
+is reshaped into a ``response`` object: a ``reasoning`` item, a ``message`` item with its
+``output_text`` and one ``function_call`` item per parsed call.
+
+Refused with a 400 rather than dropped: built-in tools (web search, file search, computer
+use, code interpreter, MCP...: nothing here can run them), ``previous_response_id`` and
+``store: true`` (responses are not stored: an agent resends its history as ``input``),
+``background``, ``include``, ``truncation: "auto"``, non-text input parts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, ValidationError
+
+from hlserve.server.agent_checks import check_response_format, check_tools
+from hlserve.server.generation import (
+    chat_reasoning,
+    chat_tool_plan,
+    collect,
+    constrain,
+    sampling,
+    submit,
+)
+from hlserve.server.intake import Inbound, caller_of, check_model, read_body
+from hlserve.server.prompts import encode_chat
+from hlserve.server.protocol import (
+    INT32_MAX,
+    ApiError,
+    ChatCompletionRequest,
+    _Strict,
+    new_id,
+    now_s,
+    validation_error,
+)
+from hlserve.server.responses import chat_body
+from hlserve.server.responses_stream import (
+    ResponseEvents,
+    final_status,
+    function_call_item,
+    message_item,
+    reasoning_item,
+    response_stream,
+    response_usage,
+)
+from hlserve.server.state import state_of
+from hlserve.server.streaming import ChatChunks, EngineStreamResponse
+
+# the Responses API's hosted tools: a model served here cannot call any of them
+BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
+                 "code_interpreter", "image_generation", "mcp", "local_shell")
+
+
+def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # accepted and ignored: they do not change what is generated here
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's extras on this endpoint
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    priority: int = 0
+    request_class: Literal["interactive", "agent"] | None = None
+    cache_salt: str | None = None
+
+    def check_supported(self) -> None:
+        if self.previous_response_id is not None:
+            raise _refuse("previous_response_id is not supported: this server stores no "
+                          "responses; send the whole conversation as input", "previous_response_id")
+        if self.store:
+            raise _refuse("store=true is not supported: this server stores no responses",
+                          "store")
+        if self.background:
+            raise _refuse("background responses are not supported", "background")
+        if self.include:
+            raise _refuse(f"include {self.include!r} is not supported", "include")
+        if self.truncation == "auto":
+            raise _refuse("truncation 'auto' is not supported: a conversation longer than the "
+                          "context is refused", "truncation")
+
+
+# ---- input items -> chat messages -------------------------------------------------------------
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (input_text / output_text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _refuse(f"{where}.content must be a string or a list of parts", "input",
+                      "invalid_value")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or \
+                not isinstance(part.get("text"), str):
+            raise _refuse(f"{where}.content[{i}] has type {kind!r}; this model accepts only "
+                          "text parts", "input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _item_message(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise _refuse(f"{where}.role must be user, assistant, system or developer; got "
+                          f"{role!r}", "input", "invalid_value")
+        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+    elif kind == "function_call":
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+            raise _refuse(f"{where}: a function_call needs a name and string arguments", "input",
+                          "invalid_value")
+        call = {"id": item.get("call_id") or item.get("id") or new_id("call"), "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+            last["tool_calls"].append(call)  # parallel calls: one assistant turn
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
+            raise _refuse(f"{where}: a function_call_output needs a call_id and an output",
+                          "input", "invalid_value")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                         "content": _text_of(output, where)})
+    elif kind == "reasoning":
+        pass  # earlier reasoning is not shown to the model again (as chat drops it)
+    else:
+        raise _refuse(f"{where} has type {kind!r}; this server takes message, function_call, "
+                      "function_call_output and reasoning items", "input")
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages
+    for i, item in enumerate(req.input):
+        _item_message(item, f"input[{i}]", messages)
+    if not messages:
+        raise _refuse("input must not be empty", "input", "invalid_value")
+    return messages
+
+
+# ---- tools, text.format, reasoning -----------------------------------------------------------
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            why = "a hosted tool that this server cannot run" if kind in BUILTIN_TOOLS or \
+                str(kind).startswith("web_search") else "not a tool type this server knows"
+            raise _refuse(f"tools[{i}] has type {kind!r}: {why}; only function tools are "
+                          "supported", "tools")
+        extra = set(tool) - {"type", "name", "description", "parameters", "strict"}
+        if extra:
+            raise _refuse(f"tools[{i}] has keys this server does not read: {sorted(extra)}",
+                          "tools", "invalid_value")
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        if tool.get("strict"):
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or set(choice) - {"type", "name"}:
+        raise _refuse(f"tool_choice {json.dumps(choice)[:200]} is not supported: a string or "
+                      "{'type': 'function', 'name': ...}", "tool_choice")
+    return {"type": "function", "function": {"name": choice.get("name")}}
+
+
+def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if set(text) - {"format"}:  # verbosity: nothing here could honour it
+        raise _refuse(f"text has keys this server does not read: {sorted(set(text))}", "text",
+                      "invalid_value")
+    fmt = text.get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": inner}
+    raise _refuse(f"text.format type {fmt.get('type')!r} is not supported", "text",
+                  "invalid_value")
+
+
+def reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
+    if reasoning is None:
+        return None
+    if set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise _refuse(f"reasoning has keys this server does not read: {sorted(reasoning)}",
+                      "reasoning", "invalid_value")
+    if reasoning.get("summary") or reasoning.get("generate_summary"):
+        raise _refuse("reasoning summaries are not supported: the reasoning text itself is "
+                      "returned when a reasoning parser is set", "reasoning")
+    return reasoning.get("effort")
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses request means; built through chat's own model so that
+    every field is checked as chat checks it."""
+    body: dict[str, Any] = {
+        "model": req.model, "messages": chat_messages(req), "stream": req.stream,
+        "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
+        "response_format": chat_response_format(req.text),
+        "reasoning_effort": reasoning_effort(req.reasoning), "priority": req.priority,
+        "request_class": req.request_class, "cache_salt": req.cache_salt}
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None or k in ("model",)})
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+# ---- the handler ------------------------------------------------------------------------------
+
+
+async def read_responses_request(request: Request) -> tuple[ResponsesRequest, Inbound]:
+    st = state_of(request)
+    arrival = st.clock()
+    body = await read_body(request, st.settings.max_request_body_bytes)
+    try:
+        req = ResponsesRequest.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    check_model(st, req.model)
+    req.check_supported()
+    chat = to_chat(req)
+    chat.check_supported()
+    check_response_format(chat.response_format)
+    check_tools(chat.tools, chat.tool_choice)
+    chat = st.sampling_defaults.apply(chat)
+    return req, Inbound(chat, caller_of(request, st, chat), arrival, offload=False)
+
+
+async def create_response(request: Request) -> Response:
+    st = state_of(request)
+    req, inbound = await read_responses_request(request)
+    chat = inbound.req
+    ids = await encode_chat(st, chat, inbound.offload)
+    params = (await constrain(st, chat, [sampling(st, chat, len(ids))]))[0]
+    rid = new_id("resp")
+    group = await submit(st, rid, [ids], [params], inbound)
+    model = chat.model or st.model_name
+    shell = response_shell(rid, model, req, params.max_tokens)
+    if req.stream:
+        fmt = ChatChunks(rid, model, False, st.tokenizer)
+        fmt.tool_plan = chat_tool_plan(st, chat)[0]
+        fmt.reasoning = chat_reasoning(st, chat)
+        events = ResponseEvents(shell)
+        return EngineStreamResponse(response_stream(group, fmt, chat.stream_options, events),
+                                    group.abort_unfinished)
+    outs = await collect(request, group)
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(finish_response(shell, chat_body(st, rid, model, chat, outs)))
+
+
+def response_shell(rid: str, model: str, req: ResponsesRequest, max_tokens: int
+                   ) -> dict[str, Any]:
+    """The ``response`` object before any output: what ``response.created`` carries."""
+    return {"id": rid, "object": "response", "created_at": now_s(), "status": "in_progress",
+            "model": model, "output": [], "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
+            "top_p": req.top_p, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning,
+            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "metadata": req.metadata, "error": None, "incomplete_details": None,
+            "usage": None, "user": req.user}
+
+
+def finish_response(shell: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """``shell`` completed from a whole chat body: its output items, status and usage."""
+    choice = body["choices"][0]
+    msg = choice["message"]
+    items: list[dict[str, Any]] = []
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    if msg.get("reasoning_content"):
+        items.append(reasoning_item(new_id("rs"), msg["reasoning_content"]))
+    if msg.get("content"):
+        items.append(message_item(new_id("msg"), msg["content"], status))
+    for call in msg.get("tool_calls") or ():
+        items.append(function_call_item(new_id("fc"), call["id"], call["function"]["name"],
+                                        call["function"]["arguments"], status))
+    return {**shell, **final_status(choice["finish_reason"]), "output": items,
+            "usage": response_usage(body["usage"])}
