@@ -67,8 +67,10 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     """Where this machine's build lives (``HLSERVE_KERNEL_CACHE`` or ~/.cache/hlserve)."""
     texts = [src.read_text() for src in [*_SOURCES, *_HEADERS]]
-    key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(),
-                                    " ".join(_FLAGS)]).encode()).hexdigest()[:16]
+    # the sources' directory too: ninja's build file names them by absolute path, so two
+    # checkouts of the same sources sharing one directory rebuilt it for each other in turn
+    key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(), " ".join(_FLAGS),
+                                    str(_SOURCES[0].parent.resolve())]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HLSERVE_KERNEL_CACHE")
                 or Path.home() / ".cache" / "hlserve" / "kernels")
     return root / f"cpu_kernels_{key}"

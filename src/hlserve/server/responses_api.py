@@ -33,7 +33,16 @@ from hlserve.server.generation import (
     sampling,
     submit,
 )
-from hlserve.server.intake import Inbound, caller_of, check_model, read_body
+from hlserve.server.intake import (
+    OFFLOAD_CHARS,
+    Inbound,
+    caller_of,
+    check_model,
+    client_of,
+    parse,
+    parse_body,
+    read_body,
+)
 from hlserve.server.prompts import encode_chat
 from hlserve.server.protocol import (
     INT32_MAX,
@@ -273,10 +282,10 @@ async def read_responses_request(request: Request) -> tuple[ResponsesRequest, In
     st = state_of(request)
     arrival = st.clock()
     body = await read_body(request, st.settings.max_request_body_bytes)
-    try:
-        req = ResponsesRequest.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    offload, client = len(body) > OFFLOAD_CHARS, client_of(request)
+    # a large body counted and parsed off the event loop, as chat's (intake.read_request)
+    req = await parse_body(st, body, ResponsesRequest, client) if offload \
+        else parse(body, ResponsesRequest)
     check_model(st, req.model)
     req.check_supported()
     chat = to_chat(req)
@@ -284,15 +293,15 @@ async def read_responses_request(request: Request) -> tuple[ResponsesRequest, In
     check_response_format(chat.response_format)
     check_tools(chat.tools, chat.tool_choice)
     chat = st.sampling_defaults.apply(chat)
-    return req, Inbound(chat, caller_of(request, st, chat), arrival, offload=False)
+    return req, Inbound(chat, caller_of(request, st, chat), arrival, offload, client)
 
 
 async def create_response(request: Request) -> Response:
     st = state_of(request)
     req, inbound = await read_responses_request(request)
     chat = inbound.req
-    ids = await encode_chat(st, chat, inbound.offload)
-    params = (await constrain(st, chat, [sampling(st, chat, len(ids))]))[0]
+    ids = await encode_chat(st, chat, inbound.offload, inbound.client)
+    params = (await constrain(st, chat, [sampling(st, chat, len(ids))], inbound.client))[0]
     rid = new_id("resp")
     group = await submit(st, rid, [ids], [params], inbound)
     model = chat.model or st.model_name
