@@ -225,9 +225,11 @@ class SuffixSpeculator(Speculator):
             plen = len(context) if prompt_len is None else prompt_len
             state = self._requests[request_id] = _RequestTrie(CountTrie(self.depth), plen)
         if len(context) > state.seen:
-            state.trie.extend(context[state.seen:])
+            new = context[state.seen:]
+            state.trie.extend(new)
             state.seen = len(context)
-            self._contexts[request_id] = list(context)
+            # Only the new tokens are copied: a long context costs nothing per step.
+            self._contexts.setdefault(request_id, []).extend(new)
 
     def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
         self.observe(request_id, context)
