@@ -1,0 +1,269 @@
+"""Speculators: propose up to k draft tokens per running decode request from what the engine
+already holds (no draft model), behind one interface.
+
+- ``NgramSpeculator``: vLLM's ``ngram`` method (prompt lookup). The longest suffix of the
+  request's context of length ``prompt_lookup_min..prompt_lookup_max`` that occurred earlier in
+  that context proposes the tokens that followed its most recent earlier occurrence.
+- ``SuffixSpeculator``: SuffixDecoding's idea. Count tries of every substring (up to a depth)
+  over the request's own context and over the outputs of recent requests; the longest suffix of
+  the context found in a trie is walked on by its most frequent continuation while the
+  continuation's empirical probability stays above ``min_token_prob``, for at most
+  ``max_spec_factor`` x the match length tokens: a long, frequent match speculates far, a short
+  or ambiguous one little (the adaptive length).
+
+``SpeculativeConfig.parse`` reads vLLM's ``--speculative-config`` JSON fields. This module is
+pure Python: the engine layer, no torch.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hlserve.errors import InvalidRequestError
+
+METHODS = ("ngram", "suffix")
+_KNOWN_FIELDS = {
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative-config fields that hlserve takes (the ngram and suffix methods)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidRequestError(
+                f"speculative method {self.method!r} is not supported: hlserve has {METHODS} "
+                "(no draft model)")
+        if self.num_speculative_tokens < 1:
+            raise InvalidRequestError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_spec_factor <= 0:
+            raise InvalidRequestError("suffix_decoding_max_tree_depth and _max_spec_factor "
+                                      "must be positive")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
+
+    @classmethod
+    def parse(cls, spec: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """From the flag's JSON text or ``LLM(speculative_config=dict)``; unknown fields refused."""
+        data = json.loads(spec) if isinstance(spec, str) else dict(spec)
+        if not isinstance(data, dict):
+            raise InvalidRequestError("speculative config must be a JSON object")
+        unknown = sorted(set(data) - _KNOWN_FIELDS)
+        if unknown:
+            raise InvalidRequestError(f"speculative config fields not supported: {unknown}")
+        if "method" not in data or "num_speculative_tokens" not in data:
+            raise InvalidRequestError("speculative config needs method and num_speculative_tokens")
+        if data["method"] == "ngram" and "prompt_lookup_min" in data \
+                and "prompt_lookup_max" not in data:
+            # vLLM: one bound given sets the other to it.
+            data["prompt_lookup_max"] = data["prompt_lookup_min"]
+        if data["method"] == "ngram" and "prompt_lookup_max" in data \
+                and "prompt_lookup_min" not in data:
+            data["prompt_lookup_min"] = data["prompt_lookup_max"]
+        return cls(**data)
+
+
+class Speculator(abc.ABC):
+    """Proposes draft tokens for a request from its context (prompt + output so far)."""
+
+    @abc.abstractmethod
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``context``; may be empty."""
+
+    # Optional hooks (stateless speculators keep nothing), hence not abstract.
+    def observe(self, request_id: str, context: Sequence[int],  # noqa: B027
+                prompt_len: int | None = None) -> None:
+        """The request's context grew (tokens appended); ``prompt_len`` on first sight."""
+
+    def finish(self, request_id: str) -> None:  # noqa: B027
+        """The request ended."""
+
+
+@dataclass
+class NgramSpeculator(Speculator):
+    """Prompt lookup: vLLM's ``ngram`` method over the request's own context."""
+
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
+        return ngram_propose(context, k, self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+def ngram_propose(context: Sequence[int], k: int, nmin: int, nmax: int) -> list[int]:
+    """The tokens after the most recent earlier occurrence of the longest matching suffix."""
+    tokens = list(context)
+    size = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(nmax, size - 1), nmin - 1, -1):
+        suffix = tokens[size - n:]
+        # Most recent earlier occurrence first: a nearby copy is likelier to continue.
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+@dataclass
+class _Node:
+    count: int = 0
+    children: dict[int, _Node] = field(default_factory=dict)
+
+
+class CountTrie:
+    """Counts of every substring of length <= depth of the sequences added (a suffix trie)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+
+    def add(self, tokens: Sequence[int], sign: int = 1) -> None:
+        """Add (or with sign -1 remove) every substring of ``tokens`` up to the depth."""
+        for start in range(len(tokens)):
+            node = self.root
+            for tok in tokens[start:start + self.depth]:
+                child = node.children.get(tok)
+                if child is None:
+                    child = node.children[tok] = _Node()
+                child.count += sign
+                if child.count <= 0:
+                    del node.children[tok]
+                    break
+                node = child
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Count the substrings that end in ``tokens`` (the one sequence this trie follows grew).
+
+        ``_active`` holds the nodes of the suffixes (length < depth) ending at the last token
+        counted, so each new token costs O(depth), not O(depth^2)."""
+        active: list[_Node] = getattr(self, "_active", [])
+        for tok in tokens:
+            parents = [self.root, *active[:self.depth - 1]]
+            active = [p.children.setdefault(tok, _Node()) for p in parents]
+            for node in active:
+                node.count += 1
+        self._active = active
+
+    def match(self, context: Sequence[int]) -> tuple[int, _Node | None]:
+        """The longest suffix of ``context`` (< depth) present, and its node."""
+        for m in range(min(self.depth - 1, len(context)), 0, -1):
+            node: _Node | None = self.root
+            for tok in context[len(context) - m:]:
+                node = node.children.get(tok) if node else None
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return m, node
+        return 0, None
+
+
+def walk(node: _Node, limit: int, min_prob: float) -> tuple[list[int], float]:
+    """Most frequent continuation from ``node`` while its cumulative probability >= min_prob."""
+    out: list[int] = []
+    prob = 1.0
+    while len(out) < limit and node.children:
+        tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
+        total = sum(c.count for c in node.children.values())
+        prob *= child.count / total
+        if prob < min_prob:
+            break
+        out.append(tok)
+        node = child
+    return out, prob
+
+
+@dataclass
+class _RequestTrie:
+    trie: CountTrie
+    prompt_len: int
+    seen: int = 0
+
+
+class SuffixSpeculator(Speculator):
+    """SuffixDecoding over the request's own context and recently finished requests' outputs."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.max_cached = config.suffix_decoding_max_cached_requests
+        self.spec_factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.shared = CountTrie(self.depth)
+        self._outputs: OrderedDict[str, list[int]] = OrderedDict()
+        self._requests: dict[str, _RequestTrie] = {}
+        self._contexts: dict[str, list[int]] = {}
+
+    def observe(self, request_id: str, context: Sequence[int], prompt_len: int | None = None
+                ) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            plen = len(context) if prompt_len is None else prompt_len
+            state = self._requests[request_id] = _RequestTrie(CountTrie(self.depth), plen)
+        if len(context) > state.seen:
+            new = context[state.seen:]
+            state.trie.extend(new)
+            state.seen = len(context)
+            # Only the new tokens are copied: a long context costs nothing per step.
+            self._contexts.setdefault(request_id, []).extend(new)
+
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
+        self.observe(request_id, context)
+        best: tuple[int, float, list[int]] = (0, 0.0, [])
+        for trie in (self._requests[request_id].trie, self.shared):
+            m, node = trie.match(context)
+            if node is None:
+                continue
+            limit = min(k, max(1, math.floor(self.spec_factor * m)))
+            draft, prob = walk(node, limit, self.min_prob)
+            # Score as SuffixDecoding does: expected accepted tokens ~ sum of path probabilities;
+            # here the draft length weighted by its probability, ties to the longer match.
+            score = (len(draft) * prob, m)
+            if draft and score > (len(best[2]) * best[1], best[0]):
+                best = (m, prob, draft)
+        return best[2]
+
+    def finish(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        context = self._contexts.pop(request_id, None)
+        if state is None or context is None or self.max_cached <= 0:
+            return
+        output = context[state.prompt_len:]
+        if not output:
+            return
+        self._outputs[request_id] = output
+        self.shared.add(output)
+        while len(self._outputs) > self.max_cached:
+            _, old = self._outputs.popitem(last=False)
+            self.shared.add(old, sign=-1)
+
+
+def make_speculator(config: SpeculativeConfig) -> Speculator:
+    """The speculator of a config's method."""
+    if config.method == "ngram":
+        return NgramSpeculator(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SuffixSpeculator(config)
