@@ -190,3 +190,20 @@ def test_learned_ttl_follows_the_session_gaps() -> None:
     s.per_token = 1e-6  # reloading is nearly free: holding the pages is not worth it
     assert s.retain_until("a", 9.0, 100, 70, 100) is None
     assert Sessions(None).retain_until("a", 0.0, 100, 7, 100) is None
+
+
+def test_metrics_publish_the_session_counters() -> None:
+    from hlserve.server.metrics import ServerMetrics
+
+    eng = engine_for(session_ttl=1.0)
+    eng.add_request(list(range(100, 140)), greedy(2), prompt_cache_key="s")
+    run(eng)
+    m = ServerMetrics("m")
+    m.publish_sessions(eng)
+    text = m.exposition().decode()
+    assert 'session_retained_pages{model_name="m"} 10.0' in text
+    eng.clock.advance(2.0)
+    eng.step()
+    m.publish_sessions(eng)
+    text = m.exposition().decode()
+    assert 'session_ttl_expiries{model_name="m"} 10.0' in text

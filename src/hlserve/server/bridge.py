@@ -353,7 +353,8 @@ class EngineBridge:
                                       request_class=sub.request_class,
                                       priority=sub.priority,
                                       arrival_time=now if released else sub.arrival,
-                                      cache_salt=sub.cache_salt, follows=sub.follows)
+                                      cache_salt=sub.cache_salt, follows=sub.follows,
+                                      session_id=sub.session)
             except Exception as e:  # a bad request never takes the engine down
                 if not isinstance(e, InvalidRequestError):
                     log.exception("add_request failed for %s", sub.request_id)
@@ -552,6 +553,7 @@ class EngineBridge:
             self.metrics.c[cls].running.set(running)
             self.metrics.c[cls].waiting.set(waiting)
         self.metrics.kv_usage.labels(self.metrics.model_name).set(eng.kv_usage)
+        self.metrics.publish_sessions(eng)
         self._waiting = len(eng.waiting)
         self._waiting_tokens = sum(r.num_prompt_tokens for r in eng.waiting)
 

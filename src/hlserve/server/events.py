@@ -74,6 +74,7 @@ class Submission:
     sink: EventSink
     cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
     follows: str | None = None  # n > 1: the first sibling's request id (see Engine.add_request)
+    session: str | None = None  # the agent session it is a round of (engine/sessions.py)
 
 
 class RequestGroup:

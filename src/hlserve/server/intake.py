@@ -21,6 +21,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from hlserve.engine.sessions import session_key
 from hlserve.request import REQUEST_CLASSES
 from hlserve.server.agent_checks import check_response_format, check_tools
 from hlserve.server.auth import KEY_SCOPE, ApiKey
@@ -75,6 +76,9 @@ class Caller:
     request_class: str | None  # None: the engine's default
     priority: int
     cache_salt: str | None  # None: the shared namespace
+    # the agent session it is a round of: session_id, else prompt_cache_key, else user
+    # (engine/sessions.py; the engine scopes it by the cache salt, so per tenant)
+    session: str | None = None
 
 
 @dataclass
@@ -124,7 +128,9 @@ async def read_plain(request: Request, st: ServerState, model: type[Any]) -> Any
 def caller_of(request: Request, st: ServerState, req: Any) -> Caller:
     key: ApiKey | None = request.scope.get(KEY_SCOPE)
     return Caller(request_class(request, req.request_class, key),
-                  bounded_priority(st, req.priority), cache_salt(key, req.cache_salt))
+                  bounded_priority(st, req.priority), cache_salt(key, req.cache_salt),
+                  session_key(getattr(req, "session_id", None),
+                              getattr(req, "prompt_cache_key", None), getattr(req, "user", None)))
 
 
 def request_class(request: Request, asked: str | None, key: ApiKey | None) -> str | None:
