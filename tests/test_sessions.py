@@ -207,3 +207,27 @@ def test_metrics_publish_the_session_counters() -> None:
     m.publish_sessions(eng)
     text = m.exposition().decode()
     assert 'session_ttl_expiries{model_name="m"} 10.0' in text
+
+
+def test_tool_time_sampling(tmp_path) -> None:
+    import statistics
+
+    import pytest
+
+    from hlserve.tool_time import parse_tool_time
+
+    rng = random.Random(0)
+    assert parse_tool_time("0").is_zero and parse_tool_time(0).sample(rng) == 0.0
+    assert parse_tool_time("fixed:2.5").sample(rng) == 2.5
+    exp = [parse_tool_time("exp:5").sample(rng) for _ in range(4000)]
+    assert 4.5 < statistics.mean(exp) < 5.5
+    logn = [parse_tool_time("lognormal:3:0.5").sample(rng) for _ in range(4000)]
+    assert 2.7 < statistics.median(logn) < 3.3
+    f = tmp_path / "gaps.txt"
+    f.write_text("0.5\n30\n")
+    assert {parse_tool_time(f"empirical:{f}").sample(rng) for _ in range(50)} == {0.5, 30.0}
+    for bad in ("exp:0", "fixed:-1", "weird:3", "lognormal:x"):
+        with pytest.raises(ValueError):
+            parse_tool_time(bad)
+    a = [parse_tool_time("exp:1").sample(random.Random(7)) for _ in range(2)]
+    assert a[0] == a[1]  # the workload seed fixes the samples
