@@ -89,6 +89,10 @@ class EngineConfig:
     interactive_token_budget: int | None = 2048
     # which preset filled the knobs in (for the start-up log)
     preset: str | None = None
+    # agent sessions (engine/sessions.py): a finished round's pages are retained this many
+    # seconds (evicted after plain cached pages); None: off, releases as before
+    session_ttl: float | None = None
+    session_ttl_policy: str = "fixed"  # fixed | learned (per session, from its tool gaps)
     # checking: verify KV accounting after every step (tests turn this on)
     check_invariants: bool = False
 
@@ -123,6 +127,11 @@ class EngineConfig:
             raise ValueError(f"budget_warmup must be >= 0, got {self.budget_warmup}")
         if self.max_step_seconds is not None and not self.max_step_seconds > 0:
             raise ValueError(f"max_step_seconds must be > 0 or unset, got {self.max_step_seconds}")
+        if self.session_ttl is not None and not self.session_ttl > 0:
+            raise ValueError(f"session_ttl must be > 0 or unset, got {self.session_ttl}")
+        if self.session_ttl_policy not in ("fixed", "learned"):
+            raise ValueError(f"session_ttl_policy must be fixed or learned, got "
+                             f"{self.session_ttl_policy!r}")
         if not self.lpm_aging >= 0:  # NaN included
             raise ValueError(f"lpm_aging must be >= 0, got {self.lpm_aging}")
 

@@ -244,6 +244,8 @@ class Request:
     # prefix-cache namespace (vLLM's ``cache_salt``): pages cached under one salt are never
     # matched by a request with another; None is the shared namespace
     cache_salt: str | None = None
+    # the agent session it is a round of (engine/sessions.py:session_key, salt-scoped); None: none
+    session: str | None = None
     # a forked sibling (n > 1) waits for its leader's prefill, then finds the prompt's pages
     # in the prefix cache instead of computing them again
     leader: Request | None = None

@@ -175,7 +175,10 @@ class _Run:
     def submit(self, sess: Any) -> None:
         prompt, out_len = sess.next_request()
         try:
-            req = self.engine.add_request(prompt, greedy(out_len))
+            # each round names its session: with --session-ttl its pages are retained between
+            # rounds (engine/sessions.py); without it the name changes nothing
+            req = self.engine.add_request(prompt, greedy(out_len),
+                                          session_id=f"s{sess.session_id}")
         except InvalidRequestError as e:  # ends the session; never replaced (it would be again)
             now = self.now()
             rec = RequestRecord(request_id=f"s{sess.session_id}-r{sess.round}",

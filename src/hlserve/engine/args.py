@@ -57,6 +57,10 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "admission": (["--admission"], " | ".join(ADMISSIONS)),
     "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
     "lpm_aging": (["--lpm-aging"], "LPM aging, tokens per iteration waited"),
+    "session_ttl": (["--session-ttl"], "seconds an agent session's pages are retained after "
+                    "a round (evicted after plain cached pages); 'none': off"),
+    "session_ttl_policy": (["--session-ttl-policy"], "fixed | learned (per session, from its "
+                           "tool gaps and the prefill cost of its context)"),
     "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
     "budget_min": (["--budget-min"], "EMA budget floor"),
     "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
@@ -67,7 +71,7 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     ),
 }
 STR_KNOBS = {"dtype", "device", "mixing", "order", "retraction", "admission",
-             "budget_controller", "default_request_class"}
+             "budget_controller", "default_request_class", "session_ttl_policy"}
 # where add_engine_args puts each flag in the namespace
 FLAG_DESTS = (*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset")
 # every option name an engine takes: the config's fields, and the two that expand into them
@@ -97,7 +101,7 @@ def seconds(text: str) -> float | None:
 
 
 def _flag_type(name: str, default: Any) -> Any:
-    if name == "max_step_seconds":
+    if name in ("max_step_seconds", "session_ttl"):
         return seconds
     if name in CAP_KNOBS:
         return cap

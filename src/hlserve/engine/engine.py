@@ -19,6 +19,7 @@ from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.policies.caps import HostCaps, describe_caps
 from hlserve.engine.scheduler import Scheduler
+from hlserve.engine.sessions import Sessions, session_key
 from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.request import (
     FinishReason,
@@ -95,6 +96,7 @@ class Engine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.sessions = Sessions(config.session_ttl, config.session_ttl_policy)
         self._advance = getattr(clock, "advance", None)
         self.caps_report = describe_caps(config, HostCaps(
             f"hlserve engine caps (preset: {config.preset or 'none'}):", self.kv.num_pages,
@@ -136,13 +138,18 @@ class Engine:
         cache_salt: str | None = None,
         follows: str | None = None,
         grammar: GrammarState | None = None,
+        session_id: str | None = None,
+        prompt_cache_key: str | None = None,
+        user: str | None = None,
     ) -> Request:
         """One sequence. ``n`` > 1 is forked by the caller into sequences of
         ``params.for_sibling(i)``, each after the first naming it in ``follows`` (its
         leader), so that they share the prompt's pages through the prefix cache.
         ``grammar``: the matcher of ``params.structured_outputs``, compiled by the caller (the
         server compiles in its own threads: a spec too large to cache took a compile of up to
-        a second here, on the engine thread, for every request that sent it)."""
+        a second here, on the engine thread, for every request that sent it).
+        ``session_id`` / ``prompt_cache_key`` / ``user`` name its agent session
+        (engine/sessions.py)."""
         params = params or SamplingParams()
         ids = self.check_request(prompt, params, compiled=grammar is not None)
         if params.num_sequences > 1:
@@ -157,6 +164,7 @@ class Engine:
             eos_token_ids=self.default_eos,
             cache_salt=cache_salt,
             leader=self.requests.get(follows) if follows is not None else None,
+            session=session_key(session_id, prompt_cache_key, user, cache_salt),
         )
         if params.structured_outputs is not None:
             req.grammar = grammar or self.grammars.state(params.structured_outputs)
@@ -316,6 +324,8 @@ class Engine:
         accounting that no longer balances, raise :class:`EngineDeadError`."""
         touched: list[Request] = self._finished
         self._finished = []
+        if self.sessions.enabled:
+            self.kv.expire(self.clock())
         try:
             batch = self.scheduler.schedule()
             for req in self.scheduler.rejected:
@@ -338,12 +348,16 @@ class Engine:
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
+                if seq.request.session is not None and self.sessions.enabled:
+                    self.sessions.on_admit(seq.request.session, seq.request.arrival_time,
+                                           seq.request.num_cached_prompt)
         batch, result = self._execute_isolated(batch, touched)
         if not batch.seqs:
             return
         if self._advance is not None:
             self._advance(result.elapsed)
         self.scheduler.observe(batch, result.elapsed)
+        self.sessions.observe(result.elapsed, batch.num_prefill_tokens)
         now = self.clock()
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
@@ -512,8 +526,17 @@ class Engine:
         req.stop_reason = s
         return True
 
+    def _retain_until(self, req: Request, reason: FinishReason) -> float | None:
+        """The retention deadline of a finished session round's pages (None: plain)."""
+        if (req.session is None or not self.sessions.enabled or reason is FinishReason.ABORT
+                or not self.kv.holds(req.request_id)):
+            return None
+        return self.sessions.retain_until(req.session, self.clock(), req.num_computed,
+                                          len(self.kv.page_table(req.request_id)),
+                                          self.kv.num_pages)
+
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        self.scheduler.remove(req)
+        self.scheduler.remove(req, self._retain_until(req, reason))
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error

@@ -19,6 +19,15 @@ pages cached under the same salt, and every deeper page hangs below a salted fir
 Requests of different salts never share a page nor see each other's hits; unsalted requests
 share the plain namespace. Nothing else changes: eviction and accounting are per node.
 
+**Session retention.** A finished round of an agent session may release its pages as
+*retained* until a deadline (``release(..., retain_until=t)``): they sit in a second LRU list,
+cached and unreferenced like any other, but eviction takes every plain unreferenced page
+before a retained one. ``expire(now)`` turns the retained pages whose deadline has passed into
+plain ones. Retained pages still count as evictable (``available``): an allocation that needs
+them takes them, so retention never blocks an admission that would fit without it and never
+deadlocks the pool. A plain node above retained children cannot be evicted before them (only
+leaves are); eviction moves it to the retained list's tail, where it waits behind them.
+
 Pages stay private to a request until they are full; full pages enter the tree as soon as
 their KV is computed (not only at the end), so concurrent requests with a shared prefix and
 a retracted request coming back both hit them. Physical tensors live in the runner, indexed
@@ -27,6 +36,7 @@ by the page ids handed out here.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,12 +97,19 @@ class KVCacheManager:
         self.root = Node(page=-1, key=(), parent=None, ref=1)  # never evicted
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out 0 first
         self._lru: OrderedDict[Node, None] = OrderedDict()  # unreferenced tree nodes, oldest first
+        # unreferenced nodes of finished session rounds -> their retention deadline, oldest first
+        self._retained: OrderedDict[Node, float] = OrderedDict()
         self._seqs: dict[str, SeqPages] = {}
         self._watches: list[TreeWatch] = []
         self.num_tree_nodes = 0
         # counters for metrics: prefix-cache queries and hits, in tokens (vLLM's meaning)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # session retention counters: retained pages found again by an admission (TTL hits),
+        # retained pages whose deadline passed (expiries), retained pages evicted under pressure
+        self.retained_hits = 0
+        self.retained_expired = 0
+        self.retained_evicted = 0
 
     # ---- cheap queries -------------------------------------------------------------------
     @property
@@ -101,7 +118,12 @@ class KVCacheManager:
 
     @property
     def num_evictable(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + len(self._retained)
+
+    @property
+    def num_retained(self) -> int:
+        """Cached pages of finished session rounds still under their retention deadline."""
+        return len(self._retained)
 
     @property
     def num_used(self) -> int:
@@ -114,7 +136,7 @@ class KVCacheManager:
 
     def available(self) -> int:
         """Pages that an allocation could get now: free plus evictable."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._lru) + len(self._retained)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -240,22 +262,58 @@ class KVCacheManager:
             seq.nodes.append(node)
             parent = node
 
-    def release(self, req_id: str) -> None:
+    def release(self, req_id: str, retain_until: float | None = None) -> None:
         """Stop holding a request's pages. Its committed pages stay cached (commit first to
-        keep the computed full pages); the rest go back to the free list."""
+        keep the computed full pages); the rest go back to the free list. With
+        ``retain_until`` (a finished session round) the pages it leaves unreferenced are
+        retained until then: evicted only after every plain cached page."""
         seq = self._seqs.pop(req_id)
         for node in reversed(seq.nodes):  # leaf first: keeps children ahead of parents in LRU
             node.ref -= 1
             if node.ref == 0:
-                self._lru[node] = None
+                if retain_until is None:
+                    self._lru[node] = None
+                else:
+                    self._retained[node] = retain_until
         self._free.extend(seq.pages[len(seq.nodes) :])
 
-    def evict(self, num_pages: int) -> int:
-        """Drop up to ``num_pages`` least recently used unreferenced leaves."""
-        evicted = 0
-        while evicted < num_pages and self._lru:
+    def expire(self, now: float) -> int:
+        """Retained pages whose deadline is ``now`` or past become plain cached pages (in
+        their retained order, so children stay ahead of parents); returns how many."""
+        due = [(n, until) for n, until in self._retained.items() if until <= now]
+        for node, _ in due:
+            del self._retained[node]
+            self._lru[node] = None
+        expired = sum(until != -math.inf for _, until in due)  # not the parents parked there
+        self.retained_expired += expired
+        return expired
+
+    def _victim(self) -> Node | None:
+        """The next leaf to evict: plain cached pages first, retained ones only when no plain
+        one is left. A non-leaf head waits at the retained tail behind its children."""
+        while self._lru:
             node, _ = self._lru.popitem(last=False)
-            assert not node.children, "LRU head must be a leaf"
+            if not node.children:
+                return node
+            self._retained[node] = -math.inf  # its children are retained: evict it after them
+        while self._retained:
+            node, until = self._retained.popitem(last=False)
+            if not node.children:
+                if until != -math.inf:
+                    self.retained_evicted += 1
+                return node
+            self._retained[node] = until  # an unreferenced leaf below it comes first
+        return None
+
+    def evict(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` unreferenced leaves: least recently used plain ones
+        first, then retained ones (oldest first)."""
+        evicted = 0
+        while evicted < num_pages:
+            node = self._victim()
+            if node is None:
+                break
+            assert not node.children, "an evicted node must be a leaf"
             assert node.parent is not None
             del node.parent.children[node.key]
             node.evicted = True
@@ -267,8 +325,11 @@ class KVCacheManager:
         return evicted
 
     def _lock(self, node: Node) -> None:
-        if node.ref == 0:
-            del self._lru[node]
+        # an unreferenced node is plain (in _lru, value None) or retained (its deadline;
+        # -inf marks a plain parent parked behind retained children, no hit)
+        if node.ref == 0 and self._lru.pop(node, 0) is not None \
+                and self._retained.pop(node) != -math.inf:
+            self.retained_hits += 1
         node.ref += 1
 
     # ---- checking ----------------------------------------------------------------------------
@@ -294,7 +355,8 @@ class KVCacheManager:
             stack.extend(node.children.values())
             if node.ref < 0:
                 raise AssertionError(f"node of page {node.page} has ref {node.ref}")
-            if (node.ref == 0) != (node in self._lru):
+            listed = (node in self._lru) + (node in self._retained)
+            if listed > 1 or (node.ref == 0) != (listed == 1):
                 raise AssertionError(f"node of page {node.page}: ref {node.ref} vs LRU membership")
         if n_nodes != self.num_tree_nodes:
             raise AssertionError(f"tree has {n_nodes} nodes, counter says {self.num_tree_nodes}")

@@ -97,15 +97,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out (finished or aborted) and release its pages to the cache."""
+    def remove(self, req: Request, retain_until: float | None = None) -> None:
+        """Take a request out (finished or aborted) and release its pages to the cache,
+        retained until ``retain_until`` if given (a finished session round)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._forget(req)
         if self.kv.holds(req.request_id):
-            self._release(req)
+            self._release(req, retain_until)
 
     def _forget(self, req: Request) -> None:
         """The request left the waiting queue (admitted, rejected or ended)."""
@@ -119,11 +120,11 @@ class Scheduler:
         self.kv.commit(req.request_id, req.tokens(start, req.num_computed), req.num_computed,
                        offset=start)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, retain_until: float | None = None) -> None:
         """Release a request's pages; its computed full pages stay cached."""
         if self.kv.enable_prefix_caching:
             self._commit(req)
-        self.kv.release(req.request_id)
+        self.kv.release(req.request_id, retain_until)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -355,7 +355,7 @@ class EngineBridge:
                                       priority=sub.priority,
                                       arrival_time=now if released else sub.arrival,
                                       cache_salt=sub.cache_salt, follows=sub.follows,
-                                      grammar=sub.grammar)
+                                      grammar=sub.grammar, session_id=sub.session)
             except Exception as e:  # a bad request never takes the engine down
                 if not isinstance(e, InvalidRequestError):
                     log.exception("add_request failed for %s", sub.request_id)
@@ -554,6 +554,7 @@ class EngineBridge:
             self.metrics.c[cls].running.set(running)
             self.metrics.c[cls].waiting.set(waiting)
         self.metrics.kv_usage.labels(self.metrics.model_name).set(eng.kv_usage)
+        self.metrics.publish_sessions(eng)
         self._waiting = len(eng.waiting)
         self._waiting_tokens = sum(r.num_prompt_tokens for r in eng.waiting)
 

@@ -76,6 +76,7 @@ class Submission:
     cache_salt: str | None = None  # the prefix-cache namespace (the API key's, by default)
     follows: str | None = None  # n > 1: the first sibling's request id (see Engine.add_request)
     grammar: GrammarState | None = None  # its constraint's matcher, compiled off the engine
+    session: str | None = None  # the agent session it is a round of (engine/sessions.py)
 
 
 class RequestGroup:

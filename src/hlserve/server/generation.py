@@ -126,7 +126,7 @@ async def submit(st: ServerState, request_id: str, prompts: list[list[int]],
             index = i * k + j
             subs.append(Submission(f"{request_id}-{index}", ids, p.for_sibling(j) if k > 1 else p,
                                    who.request_class, who.priority, inbound.arrival, index, sink,
-                                   cache_salt=who.cache_salt,
+                                   cache_salt=who.cache_salt, session=who.session,
                                    follows=subs[i * k].request_id if j else None))
     if any(s.params.structured_outputs is not None for s in subs):
         await st.offload.run("grammar", inbound.client, prepare_grammars, st, subs)

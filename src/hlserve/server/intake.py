@@ -22,6 +22,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from hlserve.engine.sessions import session_key
 from hlserve.request import REQUEST_CLASSES
 from hlserve.server.agent_checks import check_response_format, check_tools
 from hlserve.server.auth import KEY_SCOPE, ApiKey
@@ -78,6 +79,9 @@ class Caller:
     request_class: str | None  # None: the engine's default
     priority: int
     cache_salt: str | None  # None: the shared namespace
+    # the agent session it is a round of: session_id, else prompt_cache_key, else user
+    # (engine/sessions.py; the engine scopes it by the cache salt, so per tenant)
+    session: str | None = None
 
 
 @dataclass
@@ -162,7 +166,9 @@ def client_of(request: Request) -> str:
 def caller_of(request: Request, st: ServerState, req: Any) -> Caller:
     key: ApiKey | None = request.scope.get(KEY_SCOPE)
     return Caller(request_class(request, req.request_class, key),
-                  bounded_priority(st, req.priority), cache_salt(key, req.cache_salt))
+                  bounded_priority(st, req.priority), cache_salt(key, req.cache_salt),
+                  session_key(getattr(req, "session_id", None),
+                              getattr(req, "prompt_cache_key", None), getattr(req, "user", None)))
 
 
 def request_class(request: Request, asked: str | None, key: ApiKey | None) -> str | None:

@@ -10,6 +10,8 @@ by it after every loop iteration, so a scrape never touches the engine.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -39,6 +41,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+SESSION_GAUGES = {
+    "retained_pages": "KV pages of finished agent-session rounds kept under their TTL.",
+    "ttl_hits": "Retained pages found again by the session's next round (running total).",
+    "ttl_expiries": "Retained pages whose TTL passed before reuse (running total).",
+    "retained_evicted": "Retained pages evicted under pressure before their TTL (total).",
+    "reprefilled_tokens": "Retained context tokens a session's next round computed again "
+                          "(running total).",
+}
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
@@ -76,6 +86,9 @@ class ServerMetrics:
                              per_class, buckets=REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram(m + "request_queue_time_seconds", "Arrival to first "
                                     "scheduling.", per_class, buckets=REQUEST_BUCKETS, registry=r)
+        # agent sessions (engine/sessions.py): the engine's running totals, published per step
+        self.sessions = {name: Gauge(m + "session_" + name, text, ["model_name"], registry=r)
+                         for name, text in SESSION_GAUGES.items()}
         self.engine_step_errors = Counter(m + "engine_step_errors", "Engine steps that raised "
                                           "(their requests failed).", ["model_name"], registry=r)
         # every series exists from the start, so a scrape shows zeros rather than nothing
@@ -90,6 +103,17 @@ class ServerMetrics:
         self.engine_step_errors.labels(model_name)
         # children by class, resolved once (labels() takes a lock and a dict lookup)
         self.c = {cls: _ClassMetrics(self, cls) for cls in REQUEST_CLASSES}
+
+    def publish_sessions(self, engine: Any) -> None:
+        """The session-retention gauges from an engine (its KV manager and sessions)."""
+        kv, sessions = getattr(engine, "kv", None), getattr(engine, "sessions", None)
+        if kv is None or sessions is None:
+            return
+        values = {"retained_pages": kv.num_retained, "ttl_hits": kv.retained_hits,
+                  "ttl_expiries": kv.retained_expired, "retained_evicted": kv.retained_evicted,
+                  "reprefilled_tokens": sessions.stats.reprefilled_tokens}
+        for name, value in values.items():
+            self.sessions[name].labels(self.model_name).set(value)
 
     def reject(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()

@@ -188,9 +188,10 @@ class _Common(_Strict):
     # token id (a JSON key: a string) -> bias in [-100, 100], as OpenAI bounds it
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS)
-    # accepted and ignored: they do not change what is generated here
+    # an agent session's name when session_id is unset (engine/sessions.py's precedence)
     user: str | None = None
     prompt_cache_key: str | None = None
+    # accepted and ignored: it does not change what is generated here
     safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)

@@ -1,0 +1,131 @@
+"""Agent sessions: which session a request belongs to, and how long its KV is kept after a round.
+
+**Which session.** A request names its session by the first of these that is set (a non-empty
+string): ``session_id`` (hlserve's own field), ``prompt_cache_key`` (OpenAI's cache-routing
+key), ``user`` (OpenAI's end-user id). The key is scoped by the request's cache salt (the
+server sets one per API key), so two tenants that pick the same session name are two
+sessions, and their pages never meet anyway (the salt parts the prefix tree).
+
+**How long.** When a session's round ends, its pages are released as *retained*
+(``KVCacheManager.release(retain_until=...)``): evicted only after every plain cached page,
+and plain again at the deadline. The TTL policy:
+
+- ``fixed``: ``session_ttl`` seconds after every round;
+- ``learned``: the Continuum trade-off (arXiv 2511.02230), per session. Keeping the context
+  pays when the next round comes back before the deadline; then it saves re-prefilling the
+  context, ``R`` seconds at the measured time per token. Keeping it costs pool time: the
+  session's share of the pool (``pages / num_pages``) for as long as it is held. With the
+  session's own past tool gaps (the time between a round's end and its next round's
+  arrival), the TTL is 1.25 x their 90th percentile, kept only if that holding cost, in
+  pool-seconds, is below the saving ``R``, and never above ``4 x session_ttl``. Before a
+  session has two gaps, the fixed TTL.
+
+``session_ttl`` None (the default) turns all of this off: requests release as before, and
+the stored zero-gap study is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SESSION_TTL_POLICIES = ("fixed", "learned")
+MAX_GAPS = 32  # past tool gaps kept per session
+MAX_SESSIONS = 65536  # sessions remembered; the oldest are forgotten past this
+LEARNED_MARGIN, LEARNED_QUANTILE, LEARNED_CAP = 1.25, 0.9, 4.0
+
+
+def session_key(session_id: str | None = None, prompt_cache_key: str | None = None,
+                user: str | None = None, salt: str | None = None) -> str | None:
+    """A request's session: the first non-empty of ``session_id``, ``prompt_cache_key``,
+    ``user``, scoped by the tenant's cache ``salt``; None when none is set."""
+    for name in (session_id, prompt_cache_key, user):
+        if isinstance(name, str) and name:
+            return name if salt is None else f"{salt}\x00{name}"
+    return None
+
+
+@dataclass(slots=True)
+class SessionState:
+    last_end: float | None = None  # when its last round ended
+    gaps: list[float] = field(default_factory=list)  # past tool gaps, seconds, newest last
+    rounds: int = 0
+    retained_tokens: int = 0  # context tokens its last round left retained
+    reprefilled_tokens: int = 0  # context tokens its rounds had to compute again
+
+
+@dataclass(slots=True)
+class SessionStats:
+    rounds: int = 0
+    reprefilled_tokens: int = 0  # of retained context, computed again (evicted before reuse)
+
+
+class Sessions:
+    """Per-session state and the TTL of a finished round."""
+
+    def __init__(self, ttl: float | None, policy: str = "fixed") -> None:
+        if policy not in SESSION_TTL_POLICIES:
+            raise ValueError(f"session_ttl_policy must be one of {SESSION_TTL_POLICIES}")
+        self.ttl = ttl
+        self.policy = policy
+        self.state: dict[str, SessionState] = {}
+        self.stats = SessionStats()
+        self.per_token: float | None = None  # prefill seconds per token, measured (EMA)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl is not None and self.ttl > 0
+
+    def observe(self, elapsed: float, tokens: int) -> None:
+        """A step's time: the per-token cost that the learned TTL prices a reload at."""
+        if tokens >= 64 and elapsed > 0:
+            sample = elapsed / tokens
+            self.per_token = sample if self.per_token is None else 0.8 * self.per_token + 0.2 * sample
+        # fewer tokens measure the step's fixed cost, not its tokens
+
+    def on_admit(self, key: str, arrival: float, cached_tokens: int) -> None:
+        """A round of ``key`` was admitted with ``cached_tokens`` of its prompt found cached:
+        record its tool gap, and what of the retained context it had to compute again."""
+        st = self.state.get(key)
+        if st is None:
+            return
+        if st.last_end is not None:
+            st.gaps.append(max(0.0, arrival - st.last_end))
+            del st.gaps[:-MAX_GAPS]
+            st.last_end = None
+        lost = max(0, st.retained_tokens - cached_tokens)
+        st.reprefilled_tokens += lost
+        self.stats.reprefilled_tokens += lost
+        st.retained_tokens = 0
+
+    def retain_until(self, key: str, now: float, context_tokens: int, pages: int,
+                     num_pages: int) -> float | None:
+        """The deadline of a finished round's pages (None: release them plainly)."""
+        if not self.enabled:
+            return None
+        st = self.state.get(key)
+        if st is None:
+            if len(self.state) >= MAX_SESSIONS:
+                del self.state[next(iter(self.state))]
+            st = self.state[key] = SessionState()
+        st.rounds += 1
+        self.stats.rounds += 1
+        st.last_end = now
+        ttl = self._ttl(st, context_tokens, pages, num_pages)
+        if ttl <= 0:
+            return None
+        st.retained_tokens = context_tokens
+        return now + ttl
+
+    def _ttl(self, st: SessionState, context_tokens: int, pages: int, num_pages: int) -> float:
+        assert self.ttl is not None
+        if self.policy == "fixed" or len(st.gaps) < 2:
+            return self.ttl
+        gaps = sorted(st.gaps)
+        q = gaps[min(len(gaps) - 1, int(LEARNED_QUANTILE * len(gaps)))]
+        ttl = min(LEARNED_MARGIN * q, LEARNED_CAP * self.ttl)
+        if self.per_token is not None:
+            saving = context_tokens * self.per_token  # seconds of prefill a hit saves
+            holding = ttl * pages / max(1, num_pages)  # pool-seconds it holds meanwhile
+            if holding > saving:
+                return 0.0
+        return ttl

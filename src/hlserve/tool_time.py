@@ -1,0 +1,74 @@
+"""Tool time: the pause between an agent session's rounds while its tool runs.
+
+A distribution is named by a spec string: ``fixed:S`` (always S seconds; a bare number means
+the same), ``exp:MEAN``, ``lognormal:MEDIAN:SIGMA`` (the log's standard deviation), or
+``empirical:PATH`` (seconds, one a line, sampled uniformly). ``0`` is no pause: the source
+study's zero-gap workload. Samples come from the caller's ``random.Random``, so a workload
+seed fixes them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TOOL_TIME_KINDS = ("fixed", "exp", "lognormal", "empirical")
+
+
+@dataclass(frozen=True)
+class ToolTime:
+    kind: str = "fixed"
+    a: float = 0.0  # fixed: seconds; exp: mean; lognormal: median
+    b: float = 0.0  # lognormal: sigma
+    values: tuple[float, ...] = ()  # empirical samples
+
+    @property
+    def is_zero(self) -> bool:
+        return self.kind == "fixed" and self.a == 0.0
+
+    def sample(self, rng: random.Random) -> float:
+        """One tool call's seconds (>= 0)."""
+        if self.kind == "fixed":
+            return self.a
+        if self.kind == "exp":
+            return rng.expovariate(1.0 / self.a)
+        if self.kind == "lognormal":
+            return rng.lognormvariate(math.log(self.a), self.b)
+        return rng.choice(self.values)
+
+
+def parse_tool_time(spec: str | float) -> ToolTime:
+    """A spec (module docstring) as a :class:`ToolTime`; ValueError says what is wrong."""
+    if isinstance(spec, int | float):
+        return _checked(ToolTime("fixed", float(spec)))
+    kind, _, rest = spec.strip().partition(":")
+    try:
+        if not rest:
+            return _checked(ToolTime("fixed", float(kind)))
+        if kind == "fixed":
+            return _checked(ToolTime("fixed", float(rest)))
+        if kind == "exp":
+            return _checked(ToolTime("exp", float(rest)))
+        if kind == "lognormal":
+            median, _, sigma = rest.partition(":")
+            return _checked(ToolTime("lognormal", float(median), float(sigma or 1.0)))
+    except ValueError:
+        raise ValueError(f"bad tool time {spec!r}: numbers expected") from None
+    if kind == "empirical":
+        lines = Path(rest).read_text().split()
+        return _checked(ToolTime("empirical", values=tuple(float(x) for x in lines)))
+    raise ValueError(f"tool time {spec!r}: kind must be one of {TOOL_TIME_KINDS}")
+
+
+def _checked(t: ToolTime) -> ToolTime:
+    if t.kind == "empirical":
+        if not t.values or min(t.values) < 0 or not all(map(math.isfinite, t.values)):
+            raise ValueError("an empirical tool time needs finite seconds >= 0, one a line")
+        return t
+    if not (math.isfinite(t.a) and t.a >= 0 and math.isfinite(t.b) and t.b >= 0):
+        raise ValueError(f"tool time parameters must be finite and >= 0, got {t.a}, {t.b}")
+    if t.kind != "fixed" and t.a == 0:
+        raise ValueError(f"a {t.kind} tool time needs a positive mean/median")
+    return t
