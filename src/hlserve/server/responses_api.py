@@ -265,7 +265,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
         "response_format": chat_response_format(req.text),
         "reasoning_effort": reasoning_effort(req.reasoning), "priority": req.priority,
-        "request_class": req.request_class, "cache_salt": req.cache_salt}
+        "request_class": req.request_class, "cache_salt": req.cache_salt,
+        # an agent session's name, as chat's (engine/sessions.py's precedence)
+        "prompt_cache_key": req.prompt_cache_key, "user": req.user}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     try:
