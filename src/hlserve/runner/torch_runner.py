@@ -35,6 +35,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class Heartbeat:
+    """When the forward last began a layer or sublayer: a long step that still progresses
+    is told from a stuck one (the server's wedge check)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def beat(self, *_: object) -> None:
+        self.last = time.monotonic()
+
+
 class TorchRunner(Runner):
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -47,9 +58,13 @@ class TorchRunner(Runner):
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
-        for layer in self.model.model.layers:  # a heartbeat per layer and sublayer
-            for module in (layer, *layer.children()):  # (Runner.last_progress)
-                module.register_forward_pre_hook(self._beat)
+        # a heartbeat per layer and sublayer (Runner.last_progress); the hooks hold only the
+        # heartbeat, not the runner: a runner <-> model cycle kept every dropped runner's KV
+        # pool alive until a full garbage collection
+        self._heartbeat = Heartbeat()
+        for layer in self.model.model.layers:
+            for module in (layer, *layer.children()):
+                module.register_forward_pre_hook(self._heartbeat.beat)
         self.page_size = config.page_size
         per_token = mc.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
         self.num_pages = config.num_pages or max(
@@ -191,10 +206,11 @@ class TorchRunner(Runner):
         return PagedPrefills(*(torch.tensor(x, dtype=torch.long) for x in (pages, *cols)))
 
     # ---- execute ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _beat(self, *_: object) -> None:
-        self.last_progress = time.monotonic()
+    @property
+    def last_progress(self) -> float:
+        return self._heartbeat.last
 
+    @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
         t0 = time.perf_counter()
         input_ids, positions, meta = self._prepare(batch)
