@@ -62,9 +62,8 @@ class TorchRunner(Runner):
         # heartbeat, not the runner: a runner <-> model cycle kept every dropped runner's KV
         # pool alive until a full garbage collection
         self._heartbeat = Heartbeat()
-        for layer in self.model.model.layers:
-            for module in (layer, *layer.children()):
-                module.register_forward_pre_hook(self._heartbeat.beat)
+        for module in self.model.modules():  # every module, the attention's included
+            module.register_forward_pre_hook(self._heartbeat.beat)
         self.page_size = config.page_size
         per_token = mc.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
         self.num_pages = config.num_pages or max(
@@ -213,7 +212,9 @@ class TorchRunner(Runner):
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
         t0 = time.perf_counter()
+        self._heartbeat.beat()
         input_ids, positions, meta = self._prepare(batch)
+        self._heartbeat.beat()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows, reqs, end = [], [], 0
         for seq in batch.seqs:
