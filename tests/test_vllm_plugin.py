@@ -221,22 +221,38 @@ def budget_phase(url: str) -> None:
         _complete(url, _tokens(100 + i, 64), 2, f"after{i}")
 
 
-def interactive_phase(url: str) -> dict[str, Any]:
+def _overlapped(trace: Path, agents: list[str]) -> bool:
+    """Whether any of ``agents`` had prompt tokens scheduled beside the interactive request."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    return any(s[0] in agents and s[3] > 1 for r in rows if r["interactive"] != "none"
+               for s in r["sched"])
+
+
+def interactive_phase(url: str, trace: Path, attempts: int = 3) -> dict[str, Any]:
     """An interactive request streams; two agent requests with 4K prompts arrive while it
-    decodes; after it ends, another agent request alone."""
-    with ThreadPoolExecutor(3) as ex:
-        started = threading.Event()
-        # 512 tokens: long enough that the agents, sent after its first token, are prefilled
-        # while it still decodes on a loaded machine too (192 once ended first in CI); its
-        # 6 blocks and the agents' 64 still fit the 71-block pool
-        inter = ex.submit(_stream, url, _tokens(130, 256), 512, "inter", started,
-                          request_class="interactive")
-        assert started.wait(300), "the interactive request never streamed"
-        agents = [ex.submit(_complete, url, _tokens(120 + i, 4000), 16, f"agent{i}")
-                  for i in range(2)]
-        ttft, gaps = inter.result()
-        for f in agents:
-            f.result()
+    decodes; after it ends, another agent request alone.
+
+    That the agents reach the scheduler while it still decodes is this phase's precondition,
+    not what the tests check: on a loaded 2-core machine the stream once ended (512 steps of
+    ~11 ms) before they arrived. So the phase is repeated, with fresh agents (tags and
+    prompts), until the trace shows them beside it (every repeat's rows are checked by the
+    tests all the same)."""
+    for attempt in range(attempts):
+        with ThreadPoolExecutor(3) as ex:
+            started = threading.Event()
+            # 512 tokens: its 6 blocks and the agents' 64 still fit the 71-block pool
+            inter = ex.submit(_stream, url, _tokens(130, 256), 512, "inter", started,
+                              request_class="interactive")
+            assert started.wait(300), "the interactive request never streamed"
+            tags = [f"agent{i}" + (f"r{attempt}" if attempt else "") for i in range(2)]
+            seeds = [120 + i if not attempt else 200 + 10 * attempt + i for i in range(2)]
+            agents = [ex.submit(_complete, url, _tokens(seed, 4000), 16, tag)  # uncached
+                      for seed, tag in zip(seeds, tags, strict=True)]
+            ttft, gaps = inter.result()
+            for f in agents:
+                f.result()
+        if _overlapped(trace, tags):
+            break
     _complete(url, _tokens(140, 4000), 4, "agent_alone")
     return {"ttft": ttft, "gaps": gaps}
 
@@ -262,7 +278,7 @@ def runs(tiny_model_dirs: dict[str, Path],
         out["plugin_preemptions"] = _preemptions(plug.url)
         lpm_phase(plug.url)
         budget_phase(plug.url)
-        out["interactive"] = interactive_phase(plug.url)
+        out["interactive"] = interactive_phase(plug.url, trace)
     out["trace"] = [json.loads(line) for line in trace.read_text().splitlines()]
     yield out
 

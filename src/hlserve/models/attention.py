@@ -36,6 +36,7 @@ and skipped by the per-segment loop below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,9 @@ class AttentionMetadata:
     padded_decodes: PaddedDecodes | None = None  # set: decodes run batched (see module doc)
     paged_decodes: PagedDecodes | None = None  # set: decodes run in the CPU kernel
     paged_prefills: PagedPrefills | None = None  # set: prompt chunks run in the CPU kernel
+    # called before each segment's own attention call: one layer's attention over many long
+    # prompts can take seconds, and the server's wedge check must see it progress
+    progress: Callable[[], None] | None = None
 
 
 def kv_cache_shape(num_pages: int, page_size: int, kv_heads: int, head_dim: int
@@ -154,6 +158,8 @@ def paged_attention(
     for seg in meta.segments:
         if seg.batched:
             continue  # done above
+        if meta.progress is not None:
+            meta.progress()
         if seg.context_len == 0:
             out[seg.start : seg.end] = _fresh_prefill(q[seg.start : seg.end],
                                                       k[seg.start : seg.end],

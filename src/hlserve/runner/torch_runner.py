@@ -19,6 +19,7 @@ from hlserve.models.attention import (
 )
 from hlserve.models.config import ModelConfig
 from hlserve.models.cpu_kernels import decode_op, prefill_op, supports, supports_prefill
+from hlserve.models.llama import MLP, Attention, DecoderLayer
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
@@ -36,8 +37,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Heartbeat:
-    """When the forward last began a layer or sublayer: a long step that still progresses
-    is told from a stuck one (the server's wedge check)."""
+    """When the forward last began a layer, a sublayer or an attention segment: a long step
+    that still progresses is told from a stuck one (the server's wedge check)."""
 
     def __init__(self) -> None:
         self.last = 0.0
@@ -58,12 +59,14 @@ class TorchRunner(Runner):
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
-        # a heartbeat per layer and sublayer (Runner.last_progress); the hooks hold only the
-        # heartbeat, not the runner: a runner <-> model cycle kept every dropped runner's KV
-        # pool alive until a full garbage collection
+        # a heartbeat per layer and sublayer (Runner.last_progress), and per segment inside
+        # the attention (AttentionMetadata.progress); the hooks hold only the heartbeat, not
+        # the runner: a runner <-> model cycle kept every dropped runner's KV pool alive
+        # until a full garbage collection
         self._heartbeat = Heartbeat()
-        for module in self.model.modules():  # every module, the attention's included
-            module.register_forward_pre_hook(self._heartbeat.beat)
+        for module in self.model.modules():
+            if isinstance(module, (DecoderLayer, Attention, MLP)):  # not every Linear: a
+                module.register_forward_pre_hook(self._heartbeat.beat)  # hook costs a call
         self.page_size = config.page_size
         per_token = mc.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
         self.num_pages = config.num_pages or max(
@@ -149,7 +152,7 @@ class TorchRunner(Runner):
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), segments=segments,
             context_pages=torch.tensor(ctx_pages, dtype=torch.long, device=dev)
-            if ctx_pages else None)
+            if ctx_pages else None, progress=self._heartbeat.beat)
         if self.decode_path == "padded":
             meta.padded_decodes = self._padded_decodes(batch, segments)
         elif self.decode_path == "cpu_kernel":

@@ -57,6 +57,7 @@ from hlserve.server.args import (
 from hlserve.server.events import Event, EventSink, Submission
 from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
 from hlserve.server.offload import start_thread
+from hlserve.server.progress import CpuProgress
 from hlserve.server.prompt_window import (
     Held,
     fit_window,
@@ -128,6 +129,7 @@ class EngineBridge:
         self._stopping = False
         self._draining = False
         self._beat = time.monotonic()  # the engine thread's last pass (for "wedged")
+        self._cpu = CpuProgress()  # ... and when it last used CPU time
         self._deadlines: list[tuple[float, str]] = []  # (engine-clock deadline, request id)
         self._dead: BaseException | None = None
         self._live: dict[str, _Live] = {}
@@ -141,6 +143,7 @@ class EngineBridge:
         self._loop = loop
         # a deep stack: the engine thread advances grammar matchers, which recurse natively
         self._thread = start_thread(self._main, "hlserve-engine")
+        self._cpu.watch(self._thread)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -175,9 +178,10 @@ class EngineBridge:
             return "draining"
         if not self.alive:
             return self.dead_reason or "the engine is stopping"
-        # a step that is long but progressing beats from inside its forward (a layer begun):
-        # only a loop that neither comes round nor progresses is wedged
-        progress = max(self._beat, getattr(self.engine.runner, "last_progress", 0.0))
+        # a step that is long but progressing beats from inside its forward (a layer begun)
+        # and uses CPU time: only a loop that neither comes round nor progresses is wedged
+        progress = max(self._beat, getattr(self.engine.runner, "last_progress", 0.0),
+                       self._cpu.last_advance())
         stalled = time.monotonic() - progress
         if stalled > self.limits.engine_iteration_timeout_s and self.num_in_flight():
             return (f"engine wedged: no engine step progressed in {stalled:.0f}s while "
