@@ -355,25 +355,37 @@ def run(hw_override: dict | None = None, gemm: bool = True,
     return results, summary(results)
 
 
+def _rows_json(results: list[Result], groups: dict[str, dict]) -> dict:
+    return {"rows": [{**r.__dict__, "error": r.error} for r in results], "groups": groups}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write rows and summary to this file")
     p.add_argument("--no-gemm", action="store_true", help="skip the Vidur GEMM rows")
     p.add_argument("--no-serving", action="store_true", help="skip the serving replays")
+    p.add_argument("--part", choices=("both", "before", "after"), default="both",
+                   help="the shipped profiles, the fitted corrections, or both (the two halves "
+                   "run in parallel processes this way: tests/test_fidelity.py)")
     args = p.parse_args(argv)
-    results, groups = run(gemm=not args.no_gemm, serving=not args.no_serving)
-    fixes = fit_corrections(load())
-    after, after_groups = run(fixes, gemm=False, serving=not args.no_serving)
-    print(f"Corrections fitted on the rows marked 'fit': {fixes}\n")
-    print(summary_markdown(groups, after_groups))
-    print()
-    print(markdown(results, after))
+    out: dict = {}
+    results = groups = after = after_groups = None
+    if args.part != "after":
+        results, groups = run(gemm=not args.no_gemm, serving=not args.no_serving)
+        out["before"] = _rows_json(results, groups)
+    if args.part != "before":
+        fixes = fit_corrections(load())
+        after, after_groups = run(fixes, gemm=False, serving=not args.no_serving)
+        print(f"Corrections fitted on the rows marked 'fit': {fixes}\n")
+        out["corrections"], out["after"] = fixes, _rows_json(after, after_groups)
+    if groups is not None:
+        print(summary_markdown(groups, after_groups))
+        print()
+        print(markdown(results, after))
+    else:
+        print(summary_markdown(after_groups))
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"before": {"rows": [{**r.__dict__, "error": r.error} for r in results], "groups": groups},
-             "corrections": fixes,
-             "after": {"rows": [{**r.__dict__, "error": r.error} for r in after], "groups": after_groups}},
-            indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

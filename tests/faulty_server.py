@@ -5,7 +5,7 @@ batch holds a request whose ``max_tokens`` is ``POISON`` (13):
 
 - ``update``: ``Scheduler.update`` raises (outside the runner, after the forward);
 - ``schedule``: ``Scheduler.schedule`` raises after building the batch (pages allocated);
-- ``hang``: the forward sleeps ``HANG_S`` seconds (a wedged engine);
+- ``hang``: the forward sleeps ``HANG_S`` seconds, once (a wedged engine that recovers);
 - ``dead``: every forward raises (the engine dies after three).
 """
 
@@ -49,10 +49,13 @@ def install(fault: str) -> None:
     elif fault in ("hang", "dead"):
         execute = TorchRunner.execute
 
+        hung = []
+
         def broken_execute(self, batch):
             if fault == "dead":
                 raise RuntimeError("injected device failure")
-            if poisoned(batch):
+            if poisoned(batch) and not hung:  # once: then the request finishes, the test ends
+                hung.append(True)
                 time.sleep(HANG_S)
             return execute(self, batch)
 

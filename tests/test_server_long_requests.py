@@ -28,7 +28,7 @@ import pytest
 from hlserve.server.launch import ServerProcess
 from servers import BASE_ARGS
 
-PROMPTS, PROMPT_LEN = 48, 1800  # ~86K prompt tokens: one step of 12-20 s on the old code
+PROMPTS, PROMPT_LEN = 32, 1800  # ~58K prompt tokens: one step of 8-13 s on the old code
 PLAIN = {"prompt": "ok", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
 ITERATION_TIMEOUT_S = 5  # /health's wedge limit here: below the old code's single step
 PLAIN_WITHIN_S = 6.0

@@ -1,4 +1,4 @@
-"""Soak: a minute of mixed traffic on one real server, then nothing left behind.
+"""Soak: 40 seconds of mixed traffic on one real server, then nothing left behind.
 
 Streaming and non-streaming clients, chat and completions, batch prompts, clients that hang
 up mid-stream or before the answer, and bad requests, all at once and for ``SOAK_S``
@@ -22,7 +22,7 @@ import pytest
 from hlserve.server.launch import ServerProcess
 from servers import BASE_ARGS, metric, rss_mib
 
-SOAK_S = 60.0
+SOAK_S = 40.0
 WORKERS = 12
 RSS_FLAT_MIB = 40  # growth allowed from the middle of the run to its end
 
