@@ -18,6 +18,7 @@ go to ``--out`` as they come (a rerun resumes).
 
     python benchmarks/study_model_error.py                  # 3 seeds, 32K: ~20 points, ~10 min
     python benchmarks/study_model_error.py --seeds 5 --out /tmp/me.json
+    python benchmarks/study_model_error.py --gpu H100   # docs/study/h100-model-error/
 """
 
 from __future__ import annotations
@@ -72,8 +73,11 @@ def terms() -> list[me.Term]:
     ]
 
 
-def stored(point: Point, seed: int) -> dict[str, Any] | None:
-    """The stored study point of the shipped cost model at ``seed``, if one is stored."""
+def stored(point: Point, seed: int, gpu: str) -> dict[str, Any] | None:
+    """The stored study point of the shipped cost model at ``seed``, if one is stored (the
+    stored study is on the default GPU only)."""
+    if gpu != StudySpec().hardware:
+        return None
     fp = dataclasses.replace(StudySpec(), seed=seed).fingerprint()
     name = f"{point.key}.json" if seed == 0 else f"{point.key}.seed{seed}.json"
     for d in STORED:
@@ -91,7 +95,7 @@ def replicate(mode: str, seed: int, hw, pts: dict[str, Point], done: dict, save)
     for name, p in pts.items():
         if name in recs:
             continue
-        rec = stored(p, seed) if mode == "seeds" else None
+        rec = stored(p, seed, hw.name) if mode == "seeds" else None
         if rec is None:
             rec = run_point(dataclasses.replace(StudySpec(), hardware=hw, seed=seed), p)
             rec["spec"]["hardware"] = hw.name  # a perturbed machine is a Hardware object
@@ -115,15 +119,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="replicates (workload seeds 0..n-1)")
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--gpu", default=StudySpec().hardware,
+                    help="the GPU profile (8 of them, the study's deployment); default H20")
+    ap.add_argument("--out", type=Path, help=f"default {OUT.relative_to(ROOT)} (another GPU: "
+                    "docs/study/<gpu>-model-error/)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = OUT if args.gpu == StudySpec().hardware else \
+            ROOT / f"docs/study/{args.gpu.lower()}-model-error/model_error.json"
     ts = terms()
-    base = get_hardware(StudySpec().hardware)
+    base = get_hardware(args.gpu)
     draws = [me.draw(base, ts, DRAW_SEED, k) for k in range(args.seeds)]
     pts = me.headline_points(args.context)
     state: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
-    if state.get("context") != args.context:
-        state = {"context": args.context, "records": {}}
+    if state.get("context") != args.context or state.get("gpu", "H20") != args.gpu:
+        state = {"context": args.context, "gpu": args.gpu, "records": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
