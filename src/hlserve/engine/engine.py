@@ -373,7 +373,10 @@ class Engine:
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
         self.stats.busy_time += result.elapsed
-        self.scheduler.update(batch, result.accepted)
+        if any(seq.draft for seq in batch.seqs):
+            self.scheduler.update(batch, result.accepted)
+        else:
+            self.scheduler.update(batch)
         for seq in batch.seqs:
             if not seq.samples:
                 continue
