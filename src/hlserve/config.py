@@ -93,6 +93,10 @@ class EngineConfig:
     # seconds (evicted after plain cached pages); None: off, releases as before
     session_ttl: float | None = None
     session_ttl_policy: str = "fixed"  # fixed | learned (per session, from its tool gaps)
+    # speculative decoding (engine/spec_decode.py): vLLM's --speculative-config as canonical
+    # JSON text (a string keeps the config hashable and this layer free of the engine's
+    # types); parsed and checked by engine/args.py:make_config. None: off
+    speculative_config: str | None = None
     # checking: verify KV accounting after every step (tests turn this on)
     check_invariants: bool = False
 

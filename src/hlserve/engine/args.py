@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from hlserve.config import (
     parse_cap,
 )
 from hlserve.engine.presets import MODES, PRESETS, DeviceInfo, resolve_options
+from hlserve.engine.speculation import SpeculativeConfig
+from hlserve.errors import InvalidRequestError
 
 # engine option -> (flag, help); vLLM's flag names where vLLM has the same knob
 ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
@@ -61,6 +64,9 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
                     "a round (evicted after plain cached pages); 'none': off"),
     "session_ttl_policy": (["--session-ttl-policy"], "fixed | learned (per session, from its "
                            "tool gaps and the prefill cost of its context)"),
+    "speculative_config": (["--speculative-config"], "speculative decoding, vLLM's JSON: "
+                           "'{\"method\": \"ngram\" | \"suffix\", \"num_speculative_tokens\": k, "
+                           "...}' (no draft model)"),
     "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
     "budget_min": (["--budget-min"], "EMA budget floor"),
     "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
@@ -100,7 +106,30 @@ def seconds(text: str) -> float | None:
     return value
 
 
+def speculative_config(spec: Any) -> str | None:
+    """vLLM's speculative config (JSON text, a dict or a :class:`SpeculativeConfig`; None:
+    off) checked and as canonical JSON text; ValueError saying what is wrong if it is not one."""
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in NO_CAP_WORDS):
+        return None
+    try:
+        parsed = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e}): {spec!r}") from None
+    except (InvalidRequestError, TypeError) as e:
+        raise ValueError(f"--speculative-config: {e}") from None
+    return json.dumps(dataclasses.asdict(parsed), sort_keys=True)
+
+
+def _speculative_flag(text: str) -> str | None:
+    try:
+        return speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _flag_type(name: str, default: Any) -> Any:
+    if name == "speculative_config":
+        return _speculative_flag
     if name in ("max_step_seconds", "session_ttl"):
         return seconds
     if name in CAP_KNOBS:
@@ -160,4 +189,7 @@ def make_config(model: str, *, device_info: DeviceInfo | None = None,
     ``device`` option when None; every option given winning over the preset, None included)
     as a config."""
     check_options(options)
-    return EngineConfig(model=str(model), **resolve_options(options, device_info))
+    resolved = resolve_options(options, device_info)
+    if resolved.get("speculative_config") is not None:
+        resolved["speculative_config"] = speculative_config(resolved["speculative_config"])
+    return EngineConfig(model=str(model), **resolved)

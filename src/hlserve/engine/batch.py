@@ -15,12 +15,17 @@ from hlserve.request import Request, TokenLogprobs
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of an iteration: tokens ``[start, start + num_tokens)``."""
+    """One request's share of an iteration: tokens ``[start, start + num_tokens)``.
+
+    A speculating decode carries ``draft``: its last known token and the draft tokens after
+    it, ``num_tokens == 1 + len(draft)`` query rows over its cached context, every row's
+    logits verified (engine/spec_decode.py)."""
 
     request: Request
     start: int  # == request.num_computed when scheduled
     num_tokens: int
     page_table: list[int]
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -29,11 +34,17 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """The chunk reaches the last known token, so its logits give the next token."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft) == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
+        """One query row over a context (the decode attention paths take exactly one)."""
         return self.num_tokens == 1 and self.start > 0
+
+    @property
+    def is_prefill(self) -> bool:
+        """Prompt (or recomputed) tokens: neither a decode nor a speculating decode."""
+        return not self.draft and not (self.num_tokens == 1 and self.start > 0)
 
 
 @dataclass
@@ -48,11 +59,12 @@ class Batch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs if not s.is_decode)
+        return sum(s.num_tokens for s in self.seqs if s.is_prefill)
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        """Decoding requests, speculating ones included."""
+        return sum(1 for s in self.seqs if not s.is_prefill)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -64,6 +76,9 @@ class StepResult:
 
     tokens: dict[str, int]
     elapsed: float
+    # a speculating request's accepted draft tokens, emitted before its token in ``tokens``
+    # (which is then the target's correction or bonus token); absent: none accepted
+    accepted: dict[str, list[int]] = field(default_factory=dict)
     # for requests whose params ask for logprobs (runners that compute them)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
@@ -78,6 +93,9 @@ class Runner(abc.ABC):
     # time.monotonic() of the forward's last sign of progress (a layer begun), read from
     # another thread to tell a long step from a stuck one; 0.0: the runner reports none
     last_progress: float = 0.0
+    # verifies draft tokens (ScheduledSeq.draft); an engine with speculation refuses a runner
+    # without it
+    supports_speculation: bool = False
 
     @abc.abstractmethod
     def execute(self, batch: Batch) -> StepResult: ...

@@ -20,6 +20,7 @@ from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.policies.caps import HostCaps, describe_caps
 from hlserve.engine.scheduler import Scheduler
 from hlserve.engine.sessions import Sessions, session_key
+from hlserve.engine.spec_decode import SpecDecoder, SpecStats
 from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.request import (
     FinishReason,
@@ -95,12 +96,17 @@ class Engine:
         mc = runner.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.spec = SpecDecoder.from_json(config.speculative_config)
+        if self.spec is not None and not runner.supports_speculation:
+            raise ValueError(f"speculative decoding is not supported by {type(runner).__name__}")
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.spec)
         self.sessions = Sessions(config.session_ttl, config.session_ttl_policy)
         self._advance = getattr(clock, "advance", None)
         self.caps_report = describe_caps(config, HostCaps(
             f"hlserve engine caps (preset: {config.preset or 'none'}):", self.kv.num_pages,
             self.kv.page_size, self.max_model_len), self.scheduler.budget_controller)
+        if self.spec is not None:
+            self.caps_report += "\n  " + self.spec.describe()
         log.info("%s", self.caps_report)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -278,6 +284,11 @@ class Engine:
         return getattr(self.scheduler.mixing, "switches", None)
 
     @property
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding's running totals; None when it is off."""
+        return self.spec.stats if self.spec is not None else None
+
+    @property
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache since start (vLLM's meaning)."""
         return self.kv.prefix_queries
@@ -362,14 +373,20 @@ class Engine:
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
         self.stats.busy_time += result.elapsed
-        self.scheduler.update(batch)
+        if any(seq.draft for seq in batch.seqs):
+            self.scheduler.update(batch, result.accepted)
+        else:
+            self.scheduler.update(batch)
         for seq in batch.seqs:
             if not seq.samples:
                 continue
             req = seq.request
             try:
-                self._append(req, result.tokens[req.request_id], now,
-                             result.logprobs.get(req.request_id))
+                if seq.draft:
+                    self._append_verified(seq.request, seq.draft, result, now)
+                else:
+                    self._append(req, result.tokens[req.request_id], now,
+                                 result.logprobs.get(req.request_id))
             except Exception as exc:  # one request's output processing: it fails alone
                 # a grammar's lazy error is the request's spec, not a bug: no traceback
                 log.error("processing the token of %s failed: %s", req.request_id, exc,
@@ -406,6 +423,7 @@ class Engine:
         merged = StepResult(tokens={}, elapsed=0.0)
         for _, res in ok:
             merged.tokens.update(res.tokens)
+            merged.accepted.update(res.accepted)
             merged.logprobs.update(res.logprobs)
             merged.elapsed += res.elapsed
         return Batch(seqs=seqs), merged
@@ -470,6 +488,20 @@ class Engine:
             raise EngineDeadError(f"the KV accounting is broken after a failed step ({exc}): "
                                   f"{broken}") from exc
         self.failures.record("engine steps", exc)
+
+    def _append_verified(self, req: Request, draft: list[int], result: StepResult,
+                         now: float) -> None:
+        """A speculating request's accepted drafts and its one more token, appended one by
+        one: the request ends at the exact token that ends it (the rest are dropped), then
+        the pages of rejected drafts go back."""
+        accepted = result.accepted.get(req.request_id, [])
+        assert self.spec is not None
+        self.spec.record(len(draft), len(accepted))
+        for token in (*accepted, result.tokens[req.request_id]):
+            self._append(req, token, now)
+            if req.finished:
+                return
+        self.scheduler.settle_draft(req)
 
     def _append(self, req: Request, token: int, now: float,
                 logprobs: TokenLogprobs | None = None) -> None:
@@ -536,6 +568,11 @@ class Engine:
                                           self.kv.num_pages)
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        # a speculating request ended inside its accepted drafts: its KV is valid up to the
+        # last token it kept (Scheduler.update counted all the accepted ones)
+        req.num_computed = min(req.num_computed, req.num_tokens)
+        if self.spec is not None:
+            self.spec.finish(req.request_id)
         self.scheduler.remove(req, self._retain_until(req, reason))
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -223,6 +223,18 @@ class KVCacheManager:
         seq.pages.extend(self._free.pop() for _ in range(need))
         return True
 
+    def trim(self, req_id: str, num_tokens: int) -> int:
+        """Free the request's private pages beyond those ``num_tokens`` slots need (a
+        speculating request's rejected drafts); tree pages are never freed here. Returns how
+        many pages were freed."""
+        seq = self._seqs[req_id]
+        keep = max(self.pages_for(num_tokens), len(seq.nodes))
+        extra = seq.pages[keep:]
+        if extra:
+            del seq.pages[keep:]
+            self._free.extend(reversed(extra))
+        return len(extra)
+
     def committed_tokens(self, req_id: str) -> int:
         """Leading tokens of the request already in the tree: ``commit`` needs only the
         tokens after these."""

@@ -22,7 +22,7 @@ It knows nothing about tensors or time sources (iteration times reach it only th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from hlserve.config import EngineConfig
@@ -40,6 +40,7 @@ from hlserve.engine.policies.lpm import make_order
 from hlserve.engine.policies.mixing import MixState, make_mixing, mix_state
 from hlserve.engine.policies.order import interactive_first
 from hlserve.engine.policies.retraction import make_retraction
+from hlserve.engine.spec_decode import SpecDecoder
 from hlserve.request import Request, RequestClass, RequestStatus
 
 INTERACTIVE = RequestClass.INTERACTIVE
@@ -67,9 +68,10 @@ class _Admitting:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, spec: SpecDecoder | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off
         self.max_model_len = max_model_len or config.max_model_len
         self.order = make_order(config, kv)
         self.mixing = make_mixing(config)
@@ -173,10 +175,14 @@ class Scheduler:
             (prefilling if n > 1 else decoding).append(r)
         if decode:
             scheduled = self._scheduled
+            # draft tokens take only what the decodes leave of the budget
+            spare = self._budget - len(decoding)
             for req in decoding:
                 if req.status is RequestStatus.RUNNING and req.request_id not in scheduled \
                         and self._reserve(req, req.num_computed + 1):
-                    self._add(req, 1)
+                    draft = self._draft(req, spare) if self.spec is not None else []
+                    spare -= len(draft)
+                    self._add(req, 1 + len(draft), draft)
         if prefill:
             for req in prefilling:
                 if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
@@ -184,6 +190,17 @@ class Scheduler:
                 n = chunk_tokens(req.num_uncomputed, self._chunk, self._budget)
                 if n >= 1 and self._reserve(req, req.num_computed + n):
                     self._add(req, n)
+
+    def _draft(self, req: Request, spare: float) -> list[int]:
+        """A decoding request's draft tokens, with KV slots: pages the pool gives without
+        retracting anyone (a draft never costs another request its place), else as many
+        drafts as the request's pages already hold."""
+        assert self.spec is not None
+        draft = self.spec.draft(req, spare, self.max_model_len)
+        if draft and not self.kv.allocate(req.request_id, req.num_computed + 1 + len(draft)):
+            room = len(self.kv.page_table(req.request_id)) * self.kv.page_size
+            draft = draft[: max(0, room - req.num_computed - 1)]
+        return draft
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens``; False if ``req`` had to be retracted.
@@ -207,7 +224,7 @@ class Scheduler:
         Nothing is copied to host memory."""
         if (seq := self._scheduled.pop(req.request_id, None)) is not None:
             self._budget += seq.num_tokens
-            if not seq.is_decode:
+            if seq.is_prefill:
                 self._prefill_tokens -= seq.num_tokens
         self._release(req)
         req.num_computed = 0
@@ -310,12 +327,14 @@ class Scheduler:
         )
         return self.kv.pages_for(int(tokens * self.new_token_ratio))
 
-    def _add(self, req: Request, n: int) -> None:
+    def _add(self, req: Request, n: int, draft: list[int] | None = None) -> None:
         seq = ScheduledSeq(request=req, start=req.num_computed, num_tokens=n,
                            page_table=self.kv.page_table(req.request_id))
+        if draft:
+            seq.draft = draft
         self._scheduled[req.request_id] = seq
         self._budget -= n
-        if not seq.is_decode:
+        if seq.is_prefill:
             self._prefill_tokens += n
 
     def last_scheduled(self) -> list[ScheduledSeq]:
@@ -328,18 +347,34 @@ class Scheduler:
         self._prefill_tokens = 0
 
     # ---- after the step -----------------------------------------------------------------
-    def update(self, batch: Batch) -> None:
-        """Advance each scheduled request past the tokens just computed; cache full pages."""
+    def update(self, batch: Batch, accepted: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Advance each scheduled request past the tokens just computed; cache full pages.
+
+        A speculating request advances past its last known token and its ``accepted`` drafts
+        only, before the engine appends them: it may briefly count more computed tokens than
+        it has, until the appends catch up (or it ends, and ``Engine._finish`` cuts it back);
+        :meth:`settle_draft` then caches and trims its pages."""
         ps = self.kv.page_size
         for seq in batch.seqs:
             req = seq.request
             before = req.num_computed
+            if seq.draft:
+                req.num_computed = seq.start + 1 + len((accepted or {}).get(req.request_id, ()))
+                continue
             req.num_computed = seq.end
             if self.kv.enable_prefix_caching and seq.end // ps > before // ps:
                 self._commit(req)
         if batch.num_decodes:
             step = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / NEW_TOKEN_RATIO_STEPS
             self.new_token_ratio = max(NEW_TOKEN_RATIO_MIN, self.new_token_ratio - step)
+
+    def settle_draft(self, req: Request) -> None:
+        """After a speculating request's tokens were appended (and it goes on): cache its
+        newly full pages, and free the pages that only rejected drafts used, so the pool
+        balances as if it had decoded its tokens one by one."""
+        if self.kv.enable_prefix_caching:
+            self._commit(req)
+        self.kv.trim(req.request_id, req.num_computed)
 
     def observe(self, batch: Batch, elapsed: float) -> None:
         """Feed the iteration's forward time to the budget controller and the time cap."""

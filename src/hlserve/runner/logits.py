@@ -1,5 +1,7 @@
 """Per-request logits adjustments before sampling: ``logit_bias`` and the repetition,
-presence and frequency penalties, with vLLM's semantics and order (bias, then penalties)."""
+presence and frequency penalties, with vLLM's semantics and order (bias, then penalties);
+and the sampling filters after temperature (min-p, top-k / top-p), which the sampler and
+speculative verification share."""
 
 from __future__ import annotations
 
@@ -72,3 +74,25 @@ class _SeenTokens:
             self.tensor = torch.cat([self.tensor, torch.tensor(new, dtype=torch.long,
                                                                device=self.device)])
         return self.tensor
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the most likely one (row by row); the
+    most likely token always survives."""
+    # p < min_p * p_max  <=>  logit < logit_max + log(min_p): no softmax needed
+    log_min_p = torch.tensor(min_p, device=logits.device, dtype=logits.dtype).log().unsqueeze(1)
+    floor = logits.amax(dim=-1, keepdim=True) + log_min_p
+    return logits.masked_fill(logits < floor, -float("inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, -float("inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill((before >= p) & (rank > 0), -float("inf"))
+    return torch.full_like(logits, -float("inf")).scatter(1, order, sorted_logits)

@@ -24,7 +24,8 @@ from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, prepack_linears
 from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.cpu_alloc import keep_freed_memory
-from hlserve.runner.logits import LogitsAdjuster
+from hlserve.runner.logits import LogitsAdjuster, apply_min_p, apply_top_k_top_p
+from hlserve.runner.speculative import draft_rows, verify
 from hlserve.structured.grammar import apply_grammar_masks
 
 log = logging.getLogger("hlserve.runner")
@@ -48,6 +49,8 @@ class Heartbeat:
 
 
 class TorchRunner(Runner):
+    supports_speculation = True
+
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
@@ -129,7 +132,11 @@ class TorchRunner(Runner):
         segments: list[Segment] = []
         for seq in batch.seqs:
             t0 = len(ids)
-            ids.extend(seq.request.tokens(seq.start, seq.end))
+            if seq.draft:  # the last known token, then the drafts
+                ids.extend(seq.request.tokens(seq.start, seq.end - len(seq.draft)))
+                ids.extend(seq.draft)
+            else:
+                ids.extend(seq.request.tokens(seq.start, seq.end))
             table = seq.page_table
             if seq.num_tokens == 1:  # a decode: no per-token ranges to build
                 positions.append(seq.start)
@@ -219,16 +226,25 @@ class TorchRunner(Runner):
         input_ids, positions, meta = self._prepare(batch)
         self._heartbeat.beat()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows, reqs, end = [], [], 0
-        for seq in batch.seqs:
-            end += seq.num_tokens
-            if seq.samples:
-                rows.append(end - 1)
-                reqs.append(seq.request)
+        rows, which, spec = draft_rows(batch.seqs)
+        reqs = [batch.seqs[i].request for i in which]
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        accepted: dict[str, list[int]] = {}
+        if spec:  # every row of the speculating requests, one logits call with the rest
+            at = len(rows)
+            rows = rows + [r for seq, first in spec for r in range(first, first + seq.num_tokens)]
+            all_logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            for seq, _ in spec:
+                out = verify(seq, all_logits[at : at + seq.num_tokens],
+                             self._generator_for(seq.request))
+                at += seq.num_tokens
+                accepted[seq.request.request_id] = out[:-1]
+                tokens[seq.request.request_id] = out[-1]
+            rows = rows[: len(reqs)]
         if rows:
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = (all_logits[: len(rows)] if spec else
+                      self.model.logits(hidden[torch.tensor(rows, device=self.device)]))
             want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
             # structured outputs first: logprobs are of what the grammar allows (vLLM masks
             # before its sampler), so no alternative shown is one the grammar forbids
@@ -238,10 +254,11 @@ class TorchRunner(Runner):
             # the model's raw distribution, before min_tokens masking and temperature
             raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None
             sampled = self.sample(logits, reqs).tolist()
-            tokens = {r.request_id: t for r, t in zip(reqs, sampled, strict=True)}
+            tokens.update((r.request_id, t) for r, t in zip(reqs, sampled, strict=True))
             if raw is not None:
                 logprobs = _token_logprobs(raw, [reqs[i] for i in want], [sampled[i] for i in want])
-        return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0, logprobs=logprobs)
+        return StepResult(tokens=tokens, elapsed=time.perf_counter() - t0, logprobs=logprobs,
+                          accepted=accepted)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Greedy at temperature 0, else temperature / min-p / top-k / top-p sampling (vLLM's
@@ -266,11 +283,11 @@ class TorchRunner(Runner):
         sub = sub / temps.unsqueeze(1)
         min_p = [p.min_p for p in params]
         if max(min_p) > 0:
-            sub = _apply_min_p(sub, min_p)
+            sub = apply_min_p(sub, min_p)
         top_k = [p.top_k if p.top_k > 0 else sub.shape[1] for p in params]
         top_p = [p.top_p for p in params]
         if min(top_k) < sub.shape[1] or min(top_p) < 1.0:
-            sub = _apply_top_k_top_p(sub, top_k, top_p)
+            sub = apply_top_k_top_p(sub, top_k, top_p)
         # inverse CDF: one uniform draw per row picks the first token whose cumulative
         # probability exceeds it. Each seeded request draws from its own generator, so its
         # output is reproducible whatever else is in the batch. (An exponential race needs a
@@ -313,25 +330,3 @@ def _token_logprobs(raw: torch.Tensor, reqs: list[Request], sampled: list[int]
         top = tuple(zip(ids_l[j][:n], vals_l[j][:n], strict=True))
         out[r.request_id] = TokenLogprobs(chosen_l[j], top)
     return out
-
-
-def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Drop tokens less likely than ``min_p`` times the most likely one (row by row); the
-    most likely token always survives."""
-    # p < min_p * p_max  <=>  logit < logit_max + log(min_p): no softmax needed
-    log_min_p = torch.tensor(min_p, device=logits.device, dtype=logits.dtype).log().unsqueeze(1)
-    floor = logits.amax(dim=-1, keepdim=True) + log_min_p
-    return logits.masked_fill(logits < floor, -float("inf"))
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[1]
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(rank >= k, -float("inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill((before >= p) & (rank > 0), -float("inf"))
-    return torch.full_like(logits, -float("inf")).scatter(1, order, sorted_logits)

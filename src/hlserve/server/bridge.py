@@ -559,6 +559,7 @@ class EngineBridge:
             self.metrics.c[cls].waiting.set(waiting)
         self.metrics.kv_usage.labels(self.metrics.model_name).set(eng.kv_usage)
         self.metrics.publish_sessions(eng)
+        self.metrics.publish_spec(eng)
         self._waiting = len(eng.waiting)
         self._waiting_tokens = sum(r.num_prompt_tokens for r in eng.waiting)
 

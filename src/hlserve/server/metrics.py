@@ -50,6 +50,14 @@ SESSION_GAUGES = {
                           "(running total).",
 }
 
+# speculative decoding, vLLM's names and meanings (engine/spec_decode.py:SpecStats)
+SPEC_COUNTERS = {
+    "num_drafts": "Drafts proposed and verified (one request's proposal in one step).",
+    "num_draft_tokens": "Draft tokens proposed and verified.",
+    "num_accepted_tokens": "Draft tokens accepted.",
+}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         disable_created_metrics()  # as vLLM: no *_created series (process-wide setting)
@@ -89,6 +97,12 @@ class ServerMetrics:
         # agent sessions (engine/sessions.py): the engine's running totals, published per step
         self.sessions = {name: Gauge(m + "session_" + name, text, ["model_name"], registry=r)
                          for name, text in SESSION_GAUGES.items()}
+        self.spec = {name: Counter(m + "spec_decode_" + name, text, ["model_name"], registry=r)
+                     for name, text in SPEC_COUNTERS.items()}
+        self.spec_per_pos = Counter(m + "spec_decode_num_accepted_tokens_per_pos", "Draft "
+                                    "tokens accepted, by position in the draft.",
+                                    ["model_name", "position"], registry=r)
+        self._spec_seen: dict[str, int] = {}  # the engine's totals already counted
         self.engine_step_errors = Counter(m + "engine_step_errors", "Engine steps that raised "
                                           "(their requests failed).", ["model_name"], registry=r)
         # every series exists from the start, so a scrape shows zeros rather than nothing
@@ -114,6 +128,23 @@ class ServerMetrics:
                   "reprefilled_tokens": sessions.stats.reprefilled_tokens}
         for name, value in values.items():
             self.sessions[name].labels(self.model_name).set(value)
+
+    def publish_spec(self, engine: Any) -> None:
+        """Speculative decoding's counters from the engine's running totals (what grew since
+        the last call); nothing when speculation is off."""
+        stats = getattr(engine, "spec_stats", None)
+        if stats is None:
+            return
+        for name in SPEC_COUNTERS:
+            self._grow(self.spec[name].labels(self.model_name), name, getattr(stats, name))
+        for i, n in enumerate(stats.accepted_per_pos):
+            self._grow(self.spec_per_pos.labels(self.model_name, str(i)), f"pos{i}", n)
+
+    def _grow(self, counter: Any, key: str, total: int) -> None:
+        """Count what a running total grew by since it was last seen (zero creates the
+        series, so a scrape shows it from the start)."""
+        counter.inc(total - self._spec_seen.get(key, 0))
+        self._spec_seen[key] = total
 
     def reject(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()

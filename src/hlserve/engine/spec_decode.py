@@ -1,0 +1,100 @@
+"""Speculative decoding in the engine: which requests speculate, how many draft tokens each
+gets this step, and the counters vLLM's ``vllm:spec_decode_*`` metrics read.
+
+The scheduler asks :meth:`SpecDecoder.draft` for a decoding request's drafts; the request is
+then scheduled as ``1 + len(draft)`` query rows (counted against the token budget, with KV
+slots). The runner verifies every row (runner/speculative.py) and returns the accepted drafts
+and one more token; the engine appends them one by one (so EOS, stop ids, stop strings,
+``min_tokens`` and ``max_tokens`` end the request at the exact token) and the scheduler frees
+the pages that held rejected drafts the same step (``Scheduler.settle_draft``).
+
+A request speculates only where speculation is exact and hlserve handles it per row: not
+with a grammar (the matcher would have to advance through the draft and roll back), logprobs
+(one entry per emitted token would need every row's distribution), penalties or
+``logit_bias`` (their counts change inside the draft). Those requests decode one token per
+step, as vLLM does for several of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from hlserve.engine.speculation import SpeculativeConfig, Speculator, make_speculator
+from hlserve.request import Request
+
+
+@dataclass
+class SpecStats:
+    """Running totals with vLLM's meanings: a draft is one request's non-empty proposal in
+    one step; ``accepted_per_pos[i]``: drafts whose token at position i was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def speculates(req: Request) -> bool:
+    """Whether a request may carry drafts (see the module's docstring for why not)."""
+    p = req.params
+    return (req.grammar is None and p.structured_outputs is None and p.logprobs is None
+            and not p.adjusts_logits)
+
+
+class SpecDecoder:
+    """The engine's speculation: the config, its speculator and the counters."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.speculator: Speculator = make_speculator(config)
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> SpecDecoder | None:
+        """From ``EngineConfig.speculative_config`` (canonical JSON; None: off)."""
+        return None if text is None else cls(SpeculativeConfig.parse(json.loads(text)))
+
+    def describe(self) -> str:
+        """The start-up line."""
+        c = self.config
+        detail = (f"prompt_lookup {c.prompt_lookup_min}..{c.prompt_lookup_max}"
+                  if c.method == "ngram" else
+                  f"tree depth {c.suffix_decoding_max_tree_depth}, spec factor "
+                  f"{c.suffix_decoding_max_spec_factor}, min prob "
+                  f"{c.suffix_decoding_min_token_prob}")
+        return (f"speculative decoding: {c.method}, up to {self.k} draft tokens per decode "
+                f"({detail}); off for requests with a grammar, logprobs, penalties or "
+                "logit_bias")
+
+    def draft(self, req: Request, limit: float, max_model_len: int) -> list[int]:
+        """Up to ``limit`` (the budget the step's decodes leave) draft tokens for a decoding
+        request, never more than it can still emit (the step emits up to 1 + k tokens)."""
+        if not speculates(req):
+            return []
+        left = min(req.params.max_tokens - len(req.output_token_ids),
+                   max_model_len - req.num_tokens)
+        k = int(min(self.k, limit, left - 1))
+        if k <= 0:
+            return []
+        context = req.all_token_ids
+        self.speculator.observe(req.request_id, context, len(req.prompt_token_ids))
+        return self.speculator.propose(req.request_id, context, k)[:k]
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.stats.record(num_draft, num_accepted)
+
+    def finish(self, request_id: str) -> None:
+        self.speculator.finish(request_id)
