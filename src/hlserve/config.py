@@ -10,7 +10,7 @@ from typing import Any
 from hlserve.request import REQUEST_CLASSES
 
 MIXING = ("always", "prefill_first", "two_stage")
-ORDERS = ("fcfs", "lpm", "priority")
+ORDERS = ("fcfs", "lpm", "priority", "program")
 RETRACTIONS = ("fewest_generated", "lifo", "priority")
 ADMISSIONS = ("chunk", "reserve", "abort_guard", "backpressure")
 BUDGET_CONTROLLERS = ("fixed", "ratchet", "ema")
@@ -76,6 +76,10 @@ class EngineConfig:
     # policy parameters
     lpm_fcfs_fallback: int | None = None  # LPM becomes FCFS above this many waiting (SGLang: 128)
     lpm_aging: float = 0.0  # tokens of "virtual prefix" a request earns per iteration it waits
+    # order=program (policies/order.py:ProgramOrder): a request that has waited this many
+    # iterations goes ahead of every class, so a new session is never starved by the next
+    # rounds of started ones
+    program_aging_steps: int = 256
     defer_shared_prefill: bool = False  # hold a request whose uncached prefix is being prefilled
     two_stage_high: float = 0.90  # KV use that (with pending prefill > evictable) enters decode-only
     two_stage_low: float = 0.70  # KV use below which mixing resumes
@@ -136,6 +140,8 @@ class EngineConfig:
         if self.session_ttl_policy not in ("fixed", "learned"):
             raise ValueError(f"session_ttl_policy must be fixed or learned, got "
                              f"{self.session_ttl_policy!r}")
+        if self.program_aging_steps < 1:
+            raise ValueError(f"program_aging_steps must be >= 1, got {self.program_aging_steps}")
         if not self.lpm_aging >= 0:  # NaN included
             raise ValueError(f"lpm_aging must be >= 0, got {self.lpm_aging}")
 

@@ -307,6 +307,7 @@ class Scheduler:
         req.num_computed = cached
         req.status = RequestStatus.RUNNING
         self.waiting.remove(req)
+        self.order.admitted(req)
         self._forget(req)
         self.running.append(req)
         self._add(req, n)

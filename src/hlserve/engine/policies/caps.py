@@ -129,6 +129,8 @@ def describe_caps(config: EngineConfig, host: HostCaps, budget: BudgetController
     mixing = config.mixing + (f"(high {config.two_stage_high}, low {config.two_stage_low})"
                               if config.mixing == "two_stage" else "")
     order = config.order + (f"(aging {config.lpm_aging})" if config.order == "lpm" else "")
+    if config.order == "program":
+        order += f"(lpm aging {config.lpm_aging}, aging limit {config.program_aging_steps} steps)"
     lines.append(f"  policy  mixing={mixing} order={order} admission={config.admission} "
                  f"retraction={config.retraction} prefix_caching={config.enable_prefix_caching} "
                  f"default_class={config.default_request_class}")

@@ -15,7 +15,13 @@ from operator import attrgetter, itemgetter
 
 from hlserve.config import EngineConfig
 from hlserve.engine.kv_cache import KVCacheManager, Node, TreeWatch
-from hlserve.engine.policies.order import FCFS, AgedPrefixOrder, OrderPolicy, PriorityOrder
+from hlserve.engine.policies.order import (
+    FCFS,
+    AgedPrefixOrder,
+    OrderPolicy,
+    PriorityOrder,
+    ProgramOrder,
+)
 from hlserve.request import Request
 
 
@@ -371,4 +377,7 @@ class LongestPrefixMatch(AgedPrefixOrder):
 def make_order(config: EngineConfig, kv: KVCacheManager) -> OrderPolicy:
     if config.order == "lpm":
         return LongestPrefixMatch(kv, config.lpm_aging, config.lpm_fcfs_fallback)
+    if config.order == "program":  # by session, each class in throughput mode's LPM order
+        lpm = LongestPrefixMatch(kv, config.lpm_aging, config.lpm_fcfs_fallback)
+        return ProgramOrder(lpm, config.program_aging_steps)
     return {"fcfs": FCFS, "priority": PriorityOrder}[config.order]()

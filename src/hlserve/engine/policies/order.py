@@ -3,7 +3,9 @@
 ``OrderPolicy`` is the knob's base; ``FCFS`` and ``PriorityOrder`` sort, and
 ``AgedPrefixOrder`` is longest cached prefix first with aging, whatever says how many of a
 request's tokens are cached (hlserve's radix tree in ``lpm.py``, vLLM's block pool in
-``hlserve.integrations.vllm``). ``interactive_first`` puts interactive requests ahead of
+``hlserve.integrations.vllm``). ``ProgramOrder`` orders by agent program: the next rounds of
+sessions already started ahead of sessions not started, each class in another order's order
+(hlserve: LPM), with an aging limit. ``interactive_first`` puts interactive requests ahead of
 that order, in both hosts.
 """
 
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
+from hlserve.engine.sessions import MAX_SESSIONS
 from hlserve.request import Request
 
 
@@ -26,6 +29,9 @@ class OrderPolicy(abc.ABC):
 
     def forget(self, req: Request) -> None:  # noqa: B027 (optional hook)
         """The request left the queue (admitted or ended)."""
+
+    def admitted(self, req: Request) -> None:  # noqa: B027 (optional hook)
+        """The request was admitted (called before ``forget``)."""
 
 
 class FCFS(OrderPolicy):
@@ -87,6 +93,57 @@ class AgedPrefixOrder(OrderPolicy):
 
     def forget(self, req: Request) -> None:
         self._since.pop(req.request_id, None)
+
+
+class ProgramOrder(OrderPolicy):
+    """Program-level ordering (Continuum, arXiv 2511.02230): an agent session is one program,
+    and a program that has started is finished before new ones start.
+
+    Three classes, in this order: requests that have waited ``aging_steps`` iterations or
+    more (by arrival: the aging limit that keeps every request starvation-free, whatever
+    its class); the next rounds of started sessions (a request whose session has had a
+    round admitted before); everything else (new sessions' first rounds, requests with no
+    session). Within the last two, ``inner``'s order (hlserve: LPM, longest cached prefix).
+    A session counts as started from its first admitted round; the most recent
+    ``MAX_SESSIONS`` are remembered.
+    """
+
+    def __init__(self, inner: OrderPolicy, aging_steps: int) -> None:
+        self.inner = inner
+        self.aging_steps = aging_steps
+        self.started: dict[str, None] = {}  # sessions with an admitted round, least recent first
+        self._since: dict[str, int] = {}  # step each waiting request (re)entered the queue
+
+    def order(self, waiting: list[Request], step: int) -> Iterator[Request]:
+        since = self._since
+        for r in waiting:
+            since.setdefault(r.request_id, step)
+        ranked = self.inner.order(waiting, step)
+        if len(waiting) == 1:
+            return ranked
+        aged = [r for r in waiting if step - since[r.request_id] >= self.aging_steps]
+        aged.sort(key=lambda r: r.arrival_time)
+        skip, started = set(aged), self.started
+        nxt: list[Request] = []
+        fresh: list[Request] = []
+        for r in ranked:
+            if r in skip:
+                continue
+            (nxt if r.session is not None and r.session in started else fresh).append(r)
+        return chain(aged, nxt, fresh)
+
+    def admitted(self, req: Request) -> None:
+        if req.session is not None:
+            self.started.pop(req.session, None)
+            self.started[req.session] = None  # most recent last
+            if len(self.started) > MAX_SESSIONS:
+                del self.started[next(iter(self.started))]
+        self.inner.admitted(req)
+
+    def forget(self, req: Request) -> None:
+        self._since.pop(req.request_id, None)
+        self.inner.forget(req)
+
 
 
 
