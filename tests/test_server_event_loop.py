@@ -81,12 +81,15 @@ class Watch:
 ATTACKER = r"""
 import sys, threading, httpx
 url, path, key, files = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+lock = threading.Lock()  # print() writes the value and its newline apart: threads interleave
 def one(f):
     body = open(f, "rb").read()
     with httpx.Client(base_url=url, timeout=300) as c:
         r = c.post(path, content=body, headers={"Authorization": "Bearer " + key,
                                                 "content-type": "application/json"})
-    print(r.status_code, flush=True)
+    with lock:
+        sys.stdout.write(f"{r.status_code}\n")
+        sys.stdout.flush()
 threads = [threading.Thread(target=one, args=(f,)) for f in files]
 [t.start() for t in threads]
 [t.join() for t in threads]
