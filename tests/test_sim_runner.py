@@ -68,7 +68,7 @@ def test_tokens_avoid_eos_unless_asked() -> None:
     cfg = EngineConfig(model="Qwen2.5-0.5B")
     runner = SimRunner(cfg, "H100", 1)
     eos = set(runner.model_config.eos_token_ids)
-    toks = {runner._token(last, pos) for last in range(50) for pos in range(200)}
+    toks = {runner.token_at(last, pos) for last in range(50) for pos in range(200)}
     assert not toks & eos and len(toks) > 9000
     engine = build_sim_engine("Qwen2.5-0.5B", "H100", 1, sim=SimOptions(eos_rate=0.2))
     req = engine.add_request(list(range(100, 400)), SamplingParams(max_tokens=500, temperature=0))

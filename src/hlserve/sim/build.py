@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,16 +11,24 @@ from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.presets import DeviceInfo
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.runner import SimRunner
+from hlserve.sim.speculation import AcceptanceProfile, ProfileSpeculator
 
 
 @dataclass(frozen=True)
 class SimOptions:
-    """The SimRunner's own options (not engine knobs): share of device memory usable, GiB kept
-    back from the KV pool, and the share of positions that yield EOS (0: never)."""
+    """The simulation's own options (not engine knobs): share of device memory usable, GiB
+    kept back from the KV pool, the share of positions that yield EOS (0: never), and, for an
+    engine with ``speculative_config``, the acceptance profile its drafts follow (required
+    then: the simulated tokens give a real speculator nothing to copy; sim/speculation.py)."""
 
     mem_util: float = 0.9
     reserve_gib: float = 2.0
     eos_rate: float = 0.0
+    acceptance: AcceptanceProfile | None = None
+
+    def runner_options(self) -> dict[str, float]:
+        return {"mem_util": self.mem_util, "reserve_gib": self.reserve_gib,
+                "eos_rate": self.eos_rate}
 
 
 def device_info(hw: Hardware) -> DeviceInfo:
@@ -38,6 +45,15 @@ def build_sim_engine(model: str, hardware: str | Hardware = "H20", tp: int = 1,
     for :func:`hlserve.llm.build_engine` (``mode``/``preset`` expanded for the simulated
     device); the SimRunner's own options in ``sim``."""
     hw = get_hardware(hardware)
-    return factory.build_engine(
+    engine = factory.build_engine(
         make_config(model, device_info=device_info(hw), **options),
-        lambda c: SimRunner(c, hw, tp, **dataclasses.asdict(sim)), clock=VirtualClock())
+        lambda c: SimRunner(c, hw, tp, **sim.runner_options()), clock=VirtualClock())
+    if engine.spec is not None:
+        if sim.acceptance is None:
+            raise ValueError("a simulated engine with speculative_config needs an acceptance "
+                             "profile (SimOptions.acceptance): simulated tokens have nothing "
+                             "for a speculator to copy")
+        runner = engine.runner
+        assert isinstance(runner, SimRunner)
+        engine.spec.speculator = ProfileSpeculator(sim.acceptance, runner.token_at, runner.vocab)
+    return engine

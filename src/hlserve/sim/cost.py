@@ -293,7 +293,7 @@ def shape_of(batch, sampled: list | None = None) -> IterationShape:
                 ctx_max = end
         else:
             prefill.append((q, s.start))
-        if end == s.request.num_tokens:
+        if end - len(s.draft) == s.request.num_tokens:  # ScheduledSeq.samples, inlined
             samples += 1
             if sampled is not None:
                 sampled.append(s)

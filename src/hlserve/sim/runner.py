@@ -37,6 +37,8 @@ def max_tokens_per_iteration(config: EngineConfig, max_model_len: int) -> int:
 
 
 class SimRunner(Runner):
+    supports_speculation = True  # with sim/speculation.py's ProfileSpeculator
+
     def __init__(
         self,
         config: EngineConfig,
@@ -77,7 +79,9 @@ class SimRunner(Runner):
         self.decode_tokens = 0
         self.mixed_steps = 0
 
-    def _token(self, last_prompt: int, pos: int) -> int:
+    def token_at(self, last_prompt: int, pos: int) -> int:
+        """The token this runner produces at position ``pos`` of a request whose prompt ends
+        with ``last_prompt``."""
         h = (last_prompt * 0x9E3779B1 + pos * 0x85EBCA77 + 0x27D4EB2F) & 0xFFFFFFFF
         h ^= h >> 15
         h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
@@ -92,15 +96,29 @@ class SimRunner(Runner):
     def execute(self, batch: Batch) -> StepResult:
         sampled: list = []
         shape = shape_of(batch, sampled)  # the shape calibration fits to, not a copy of it
-        tokens = {s.request.request_id: self._token(s.request.prompt_token_ids[-1], s.end)
-                  for s in sampled}
+        tokens: dict[str, int] = {}
+        accepted: dict[str, list[int]] = {}
+        for s in sampled:
+            rid, last = s.request.request_id, s.request.prompt_token_ids[-1]
+            if s.draft:
+                accepted[rid], tokens[rid] = self._verify(last, s.end - len(s.draft), s.draft)
+            else:
+                tokens[rid] = self.token_at(last, s.end)
         elapsed, _ = self.cost.iteration(shape)
         self.busy_time += elapsed
         self.decode_tokens += shape.num_decodes
         self.prefill_tokens += shape.num_tokens - shape.num_decodes
         if shape.prefill and shape.num_decodes:
             self.mixed_steps += 1
-        return StepResult(tokens=tokens, elapsed=elapsed)
+        return StepResult(tokens=tokens, elapsed=elapsed, accepted=accepted)
+
+    def _verify(self, last: int, pos: int, draft: list[int]) -> tuple[list[int], int]:
+        """Greedy verification, as the real runner's: the draft's prefix that equals this
+        runner's tokens from position ``pos`` on, then its own token after that prefix."""
+        n = 0
+        while n < len(draft) and draft[n] == self.token_at(last, pos + n):
+            n += 1
+        return draft[:n], self.token_at(last, pos + n)
 
     def describe(self) -> str:
         hw = self.hardware
