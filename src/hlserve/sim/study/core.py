@@ -21,7 +21,7 @@ from typing import Any
 from hlserve.driver import points as shared
 from hlserve.driver import records
 from hlserve.driver.closed_loop import LoopResult
-from hlserve.sim.build import build_sim_engine
+from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.drive import run_agent_steady
 from hlserve.workloads import AgentWorkload
 
@@ -120,12 +120,15 @@ class Point:
         return f"{self.system} {name}={self.knob or 'inf'}"
 
 
-def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = None,
+              sim: SimOptions | None = None) -> dict[str, Any]:
     """Simulate one point; returns its JSON record. ``options`` adds engine options on top of
-    the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object."""
+    the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object;
+    ``sim`` the simulation's own options (an acceptance profile for speculation)."""
     opts = {**system_options(point.system, point.knob), **(options or {})}
     max_len = point.context + 4096
-    engine = build_sim_engine(spec.model, spec.hardware, spec.tp, max_model_len=max_len, **opts)
+    engine = build_sim_engine(spec.model, spec.hardware, spec.tp, sim=sim or SimOptions(), max_model_len=max_len,
+                              **opts)
     vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
     workload = AgentWorkload.for_context(point.context, point.sessions, rounds=spec.rounds,
                                          output_mean=spec.output_mean, vocab=(3, vocab_hi),
@@ -154,6 +157,10 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
         "stalled": res.stalled,
         "stalled_at_s": res.stalled_at,
     }
+    if engine.spec is not None:  # only then: stored points without speculation stay as they are
+        st = engine.spec.stats
+        metrics |= {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+                    "spec_num_accepted_tokens": st.num_accepted_tokens}
     return {
         "point": dataclasses.asdict(point), "label": point.label, "spec": spec.fingerprint(),
         "options": opts, "kv_pool_tokens": runner.num_pages * runner.page_size,
