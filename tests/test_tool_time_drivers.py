@@ -146,3 +146,36 @@ def test_real_engine_waits_out_fixed_tool_time(tiny_llama: Path) -> None:
     for q in (50, 90, 99):
         assert s[f"session_completion_p{q}_s"] >= (w.rounds - 1) * 0.2
     assert s["sessions_completed"] == 2
+
+
+def test_study_points_take_a_tool_time(tmp_path: Path) -> None:
+    """``hlserve study --tool-time``: the spec is checked and written one way (zero as the
+    stored points' ``0``), it is part of a point's fingerprint, and a steady-state point
+    reports session completion with the tool calls in it."""
+    from hlserve.cli import build_parser
+    from hlserve.sim.study.core import Point, StudySpec, run_point
+    from hlserve.sim.study.runs import _done
+
+    def study(*flags: str):
+        return build_parser().parse_args(["study", *flags]).tool_time
+
+    assert study() == "0" and study("--tool-time", "fixed:0") == "0"
+    assert study("--tool-time", "lognormal:5:1.0") == "lognormal:5:1"
+    with pytest.raises(SystemExit):
+        study("--tool-time", "exp:-1")
+    base = StudySpec(hardware="H100", tp=1, model="Qwen2.5-7B", contexts=(8192,),
+                     sessions=(8,), systems=("hlserve",), duration=60.0, warmup=20.0, rounds=3)
+    timed = dataclasses.replace(base, tool_time="fixed:5")
+    point = Point("hlserve", None, 8192, 8)
+    zero, tool = run_point(base, point), run_point(timed, point)
+    assert zero["spec"]["tool_time"] == "0" and tool["spec"]["tool_time"] == "fixed:5"
+    z, t = zero["metrics"], tool["metrics"]
+    assert t["session_completion_p50_s"] >= 2 * 5.0
+    # longer by the tool calls, less what the lighter load saves the rounds themselves
+    assert t["session_completion_p50_s"] > z["session_completion_p50_s"] + 5.0
+    # a stored zero-gap point (no tool_time in its spec) is reused only by a zero-gap run
+    path = tmp_path / "p.json"
+    rec = json.loads(json.dumps(zero))
+    del rec["spec"]["tool_time"]
+    path.write_text(json.dumps(rec))
+    assert _done(path, base) and not _done(path, timed)
