@@ -121,6 +121,51 @@ def test_session_structure(server, tmp_path: Path) -> None:
     assert res["sessions_completed"] == 3 and len(rows) == 12
 
 
+def test_tool_time_between_rounds(server, tmp_path: Path, capsys) -> None:
+    """``hlserve bench --tool-time fixed:0.3``: each session's next round is sent 0.3 s after
+    its last one ended, the session completion percentiles count the tool calls, and the
+    headline line leads the printed result."""
+    from hlserve.cli import main
+
+    rc = main(["bench", "--base-url", server.url, "--model", MODEL, "--sessions", "2",
+               "--rounds", "3", "--system-prompt-len", "64", "--task-len", "8",
+               "--tool-output-len", "8:16", "--output-len", "2:4", "--tool-time", "fixed:0.3",
+               "--result-file", str(tmp_path / "res.json"), "--no-progress"])
+    assert rc == 0
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["tool_time"] == "fixed:0.3" and res["sessions_completed"] == 2
+    rows = read_jsonl(res["request_file"])
+    for sid in (0, 1):
+        rounds = sorted((r for r in rows if r["session_id"] == sid), key=lambda r: r["round"])
+        assert len(rounds) == 3
+        for prev, cur in itertools.pairwise(rounds):
+            assert cur["start"] - prev["end"] >= 0.3
+    for q in (50, 90, 99):
+        assert res[f"session_completion_p{q}_s"] >= 2 * 0.3
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("Session completion p50/p90/p99: ")
+    assert f"{res['total_token_throughput']:.0f} tok/s" in out[1]
+
+
+def test_think_time_is_fixed_tool_time() -> None:
+    from hlserve.bench.cli import bench_spec
+    from hlserve.cli import build_parser
+    from hlserve.tool_time import ToolTime, parse_tool_time
+
+    def spec(*flags: str):
+        return bench_spec(build_parser().parse_args(["bench", *flags]))
+
+    assert spec().tool_time == ToolTime()
+    assert spec("--think-time", "0.5").tool_time == parse_tool_time("fixed:0.5")
+    assert spec("--tool-time", "lognormal:5:1").tool_time == ToolTime("lognormal", 5.0, 1.0)
+    with pytest.raises(ValueError, match="give one of them"):
+        spec("--think-time", "1", "--tool-time", "exp:2")
+    with pytest.raises(SystemExit):  # argparse: a bad spec is refused with the reason
+        build_parser().parse_args(["bench", "--tool-time", "gamma:2"])
+    sweep = build_parser().parse_args(["sweep", "--model", "m", "--tool-time", "exp:2"])
+    assert bench_spec(sweep).tool_time == ToolTime("exp", 2.0)
+
+
 def test_chat_and_trace_workloads(server, tmp_path: Path) -> None:
     before = counters(server.url)
     chat = run_bench(BenchSpec(base_url=server.url, workload="chat", num_prompts=8,

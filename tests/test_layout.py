@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("models", "tokenizer"),
     ("workloads", "config", "cpu_runtime", "stats"),
+    ("tool_time",),  # the agent workloads' tool-call pauses
     ("request",),
     ("structured",),  # grammars: below the request, whose params may carry one
     ("errors",),

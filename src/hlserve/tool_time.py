@@ -4,7 +4,9 @@ A distribution is named by a spec string: ``fixed:S`` (always S seconds; a bare 
 the same), ``exp:MEAN``, ``lognormal:MEDIAN:SIGMA`` (the log's standard deviation), or
 ``empirical:PATH`` (seconds, one a line, sampled uniformly). ``0`` is no pause: the source
 study's zero-gap workload. Samples come from the caller's ``random.Random``, so a workload
-seed fixes them.
+seed fixes them: an agent workload's ``tool_time`` (:class:`hlserve.workloads.AgentWorkload`)
+is drawn per round from each session's own tool-time generator, and every closed-loop driver
+(in-process, simulated, HTTP) waits it out before the session's next round.
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ class ToolTime:
     def is_zero(self) -> bool:
         return self.kind == "fixed" and self.a == 0.0
 
+    @property
+    def spec(self) -> str:
+        """The spec string that parses back to this (an empirical one names its sample
+        count, not its file): for results and labels."""
+        if self.kind == "fixed":
+            return f"fixed:{self.a:g}"
+        if self.kind == "exp":
+            return f"exp:{self.a:g}"
+        if self.kind == "lognormal":
+            return f"lognormal:{self.a:g}:{self.b:g}"
+        return f"empirical:{len(self.values)} values"
+
     def sample(self, rng: random.Random) -> float:
         """One tool call's seconds (>= 0)."""
         if self.kind == "fixed":
@@ -37,6 +51,9 @@ class ToolTime:
         if self.kind == "lognormal":
             return rng.lognormvariate(math.log(self.a), self.b)
         return rng.choice(self.values)
+
+
+NO_TOOL_TIME = ToolTime()  # the zero-gap default (a shared constant: it is frozen)
 
 
 def parse_tool_time(spec: str | float) -> ToolTime:

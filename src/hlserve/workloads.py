@@ -2,9 +2,12 @@
 
 - :class:`AgentWorkload`: closed-loop agent sessions. Round r's prompt is the shared system
   prompt (tool definitions), then every earlier round's prompt additions and outputs, then a
-  new tool result. The next round is sent the moment the last completes (zero think time).
-  Lengths come from configurable distributions (:class:`Dist`); with ``target_context`` a
-  session's context grows up to that length and the session ends there.
+  new tool result. The next round is sent when the tool call between them has run: its
+  ``tool_time`` (:mod:`hlserve.tool_time`; zero by default, the source study's zero-gap
+  workload), drawn per round from a generator of the session's own apart from the one the
+  lengths and ids come from, so a tool time never changes a prompt. Lengths come from
+  configurable distributions (:class:`Dist`); with ``target_context`` a session's context
+  grows up to that length and the session ends there.
 - :class:`MooncakeTrace`: a Mooncake-format trace (``timestamp`` ms, ``input_length``,
   ``output_length``, ``hash_ids`` over 512-token blocks). Each hash id maps to a fixed block of
   token ids, so two requests share exactly the prefix the trace says they share; a request
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from hlserve.tool_time import NO_TOOL_TIME, ToolTime
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,9 @@ class AgentWorkload:
     # would have had, so nothing of an earlier round is in the prefix cache (the paper's
     # benchmark has little prefix reuse); the lengths drawn are the same as with reuse
     prefix_reuse: bool = True
+    # the pause between a round's end and the next round's start (the tool call); zero draws
+    # nothing, so the zero-gap workload is the one it always was
+    tool_time: ToolTime = NO_TOOL_TIME
 
     def sessions_list(self) -> list[AgentSession]:
         return [self.make_session(i) for i in range(self.sessions)]
@@ -136,7 +144,8 @@ class AgentWorkload:
         """Session ``index`` (any index: a steady-state driver keeps starting new ones); the
         same workload and index always give the same session."""
         return AgentSession(self, index, self.system_ids(),
-                            random.Random(self.seed * 1_000_003 + index * 7919 + 1))
+                            random.Random(self.seed * 1_000_003 + index * 7919 + 1),
+                            tool_rng=tool_rng(self.seed, index))
 
     @functools.cached_property
     def _system(self) -> tuple[int, ...]:
@@ -152,7 +161,7 @@ class AgentWorkload:
     def for_context(cls, target: int, sessions: int, rounds: int = 8, system_prompt_len: int = 2048,
                     task_len: int = 256, output_mean: float = 200.0, seed: int = 0,
                     vocab: tuple[int, int] = (3, 4096), prefix_reuse: bool = True,
-                    ) -> AgentWorkload:
+                    tool_time: ToolTime = NO_TOOL_TIME) -> AgentWorkload:
         """Sessions whose context grows from the system prompt to ``target`` over ``rounds``
         rounds: lognormal tool results (mean sized to reach the target) and outputs (mean
         ``output_mean``, as agent turns are short: the Mooncake tool&agent trace's mean is 182)."""
@@ -161,8 +170,15 @@ class AgentWorkload:
             sessions=sessions, rounds=rounds, system_prompt_len=system_prompt_len,
             task_len=task_len, tool_output_len=Dist.lognormal(per_round, 0.6, 16, target),
             output_len=Dist.lognormal(output_mean, 0.6, 8, 2048), vocab=vocab, seed=seed,
-            target_context=target, prefix_reuse=prefix_reuse,
+            target_context=target, prefix_reuse=prefix_reuse, tool_time=tool_time,
         )
+
+
+def tool_rng(seed: int, index: int) -> random.Random:
+    """Session ``index``'s generator of tool times: its own stream, seeded from a string (not
+    ``hash()``, which differs per process), so drawing tool times never moves the draws of
+    the session's lengths and ids."""
+    return random.Random(f"tool:{seed}:{index}")
 
 
 @dataclass
@@ -174,6 +190,7 @@ class AgentSession:
     round: int = 0
     context: list[int] = field(default_factory=list)
     ended: bool = False
+    tool_rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def __post_init__(self) -> None:
         self.context = self.system + self.workload._ids(self.rng, self.workload.task_len)
@@ -210,6 +227,16 @@ class AgentSession:
         """Record the round's output; the next prompt extends this one with it."""
         self.context = self.context + list(output_ids)
         self.round += 1
+
+    def tool_pause(self) -> float:
+        """Seconds the tool call after the round just completed runs before the next round
+        is sent (drivers ask once per round that has a next one)."""
+        return draw_pause(self.workload.tool_time, self.tool_rng)
+
+
+def draw_pause(tool_time: ToolTime, rng: random.Random) -> float:
+    """One tool call's seconds; a zero tool time draws nothing."""
+    return 0.0 if tool_time.is_zero else tool_time.sample(rng)
 
 
 # ---- Mooncake traces ---------------------------------------------------------------------------
@@ -405,6 +432,8 @@ class TraceSession:
     min_new: int = 16
     round: int = 0
     context: list[int] = field(default_factory=list)
+    tool_time: ToolTime = NO_TOOL_TIME
+    tool_rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     @property
     def done(self) -> bool:
@@ -422,6 +451,10 @@ class TraceSession:
     def complete(self, output_ids: list[int]) -> None:
         self.context = self.context + list(output_ids)
         self.round += 1
+
+    def tool_pause(self) -> float:
+        """As :meth:`AgentSession.tool_pause`."""
+        return draw_pause(self.tool_time, self.tool_rng)
 
 
 def chains(trace: MooncakeTrace) -> list[list[int]]:
@@ -444,9 +477,10 @@ def chains(trace: MooncakeTrace) -> list[list[int]]:
 
 def trace_sessions(st: ScaledTrace, sessions: int, max_rounds: int | None = None,
                    min_rounds: int = 2, max_len: int | None = None,
-                   min_new: int = 16) -> list[TraceSession]:
+                   min_new: int = 16, tool_time: ToolTime = NO_TOOL_TIME) -> list[TraceSession]:
     """The first ``sessions`` chains with at least ``min_rounds`` rounds, each cut to
-    ``max_rounds`` and to the rounds whose projected context fits ``max_len``."""
+    ``max_rounds`` and to the rounds whose projected context fits ``max_len``; ``tool_time``
+    between their rounds."""
     reqs = st.trace.requests
     out: list[TraceSession] = []
     for chain in chains(st.trace):
@@ -466,5 +500,6 @@ def trace_sessions(st: ScaledTrace, sessions: int, max_rounds: int | None = None
             continue
         out.append(TraceSession(len(out), spec, st.prompt(reqs[chain[0]]),
                                 random.Random(st.trace.seed * 7919 + chain[0]),
-                                st.trace.vocab, min_new))
+                                st.trace.vocab, min_new, tool_time=tool_time,
+                                tool_rng=tool_rng(st.trace.seed, len(out))))
     return out

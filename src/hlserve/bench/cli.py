@@ -33,6 +33,16 @@ def _floats(text: str) -> list[float | None]:
     return [None if t.strip().lower() in ("none", "") else float(t) for t in text.split(",")]
 
 
+def tool_time_arg(text: str) -> Any:
+    """``--tool-time SPEC`` (:mod:`hlserve.tool_time`), checked when the flags are read."""
+    from hlserve.tool_time import parse_tool_time
+
+    try:
+        return parse_tool_time(text)
+    except (ValueError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         obj = json.loads(text)
@@ -61,9 +71,15 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="agent: new tokens per round (default: 64:256)")
     g.add_argument("--output-len", type=parse_range, default=(16, 64), metavar="LO:HI",
                    help="generated tokens per request, pinned with ignore_eos (default: 16:64)")
+    g.add_argument("--tool-time", type=tool_time_arg, default=None, metavar="SPEC",
+                   help="agent: the tool call between a round's end and the next round, drawn "
+                        "per round from the workload seed: fixed:S (or S), exp:MEAN, "
+                        "lognormal:MEDIAN:SIGMA, empirical:FILE (seconds, one a line) "
+                        "(default: 0, the next round at once)")
     if not sweep:
-        g.add_argument("--think-time", type=float, default=0.0,
-                       help="agent: seconds between a round's end and the next (default: 0)")
+        g.add_argument("--think-time", type=float, default=None, metavar="S",
+                       help="agent: the same as --tool-time fixed:S (kept for old command "
+                            "lines)")
         g.add_argument("--num-prompts", type=int, default=100, help="chat: requests")
         g.add_argument("--request-rate", type=float, default=math.inf,
                        help="chat: requests per second, Poisson (default: inf, all at once)")
@@ -148,7 +164,20 @@ def bench_spec(args: argparse.Namespace) -> Any:
     if given.get("no_return_token_ids"):
         kw["return_token_ids"] = False
     kw["slo"] = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
+    kw["tool_time"] = _tool_time(given)
     return BenchSpec(**kw)
+
+
+def _tool_time(given: dict[str, Any]) -> Any:
+    """``--tool-time``, or ``--think-time S`` as ``fixed:S``; both at once is an error."""
+    from hlserve.tool_time import ToolTime, parse_tool_time
+
+    spec, think = given.get("tool_time"), given.get("think_time")
+    if spec is not None and think is not None:
+        raise ValueError("--think-time S is --tool-time fixed:S: give one of them")
+    if think is not None:
+        return parse_tool_time(think)
+    return ToolTime() if spec is None else spec
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -149,6 +149,9 @@ def run_bench_repeated(spec: BenchSpec, repeats: int) -> dict[str, Any]:
 
 
 REPEAT_ROWS = (
+    ("Session completion p50/p90/p99 (s):", ("session_completion_p50_s",
+                                             "session_completion_p90_s",
+                                             "session_completion_p99_s"), "{:.2f}"),
     ("Total token throughput (tok/s):", "total_token_throughput", "{:.1f}"),
     ("Output token throughput (tok/s):", "output_throughput", "{:.1f}"),
     ("Request throughput (req/s):", "request_throughput", "{:.2f}"),

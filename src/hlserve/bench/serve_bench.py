@@ -4,7 +4,8 @@ Three workloads, one client (:mod:`hlserve.bench.client`), the records and summa
 driver shares (:mod:`hlserve.driver.records`):
 
 - ``agent``: closed loop. N sessions, each holding one concurrency slot; a session sends
-  round r the moment round r−1 completes (plus ``think_time``), and round r's prompt is
+  round r once round r−1 has completed and the tool call after it has run (``tool_time``, a
+  :mod:`hlserve.tool_time` distribution drawn per round; zero: at once), and round r's prompt is
   round r−1's prompt and output plus a new tool result. Lengths from
   :class:`~hlserve.workloads.AgentWorkload`'s distributions, or from the chains of a
   Mooncake-format trace (``--trace``). A failed round ends its session (counted in
@@ -15,8 +16,10 @@ driver shares (:mod:`hlserve.driver.records`):
   ``--time-scale``, prompts built from its hash ids so the trace's prefix sharing holds.
 
 Every request is written to a JSONL file as it finishes (session, round, times, token
-counts, error); the result JSON has vLLM ``bench serve`` keys plus session and SLO keys.
-Failures are counted, listed by message, and printed: never dropped.
+counts, error); the result JSON has vLLM ``bench serve`` keys plus session and SLO keys, and
+its headline is the sessions' completion time (first round sent to last round done, tool
+calls included) with the throughput beside it. Failures are counted, listed by message, and
+printed: never dropped.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
-from hlserve.driver.records import SLO, Recorder, RequestRecord, summarize
+from hlserve.driver.records import SLO, Recorder, RequestRecord, headline, summarize
+from hlserve.tool_time import ToolTime
 from hlserve.workloads import (
     AgentWorkload,
     Dist,
@@ -60,7 +64,7 @@ class BenchSpec:
     task_len: int = 64
     tool_output_len: tuple[int, int] = (64, 256)
     output_len: tuple[int, int] = (16, 64)
-    think_time: float = 0.0
+    tool_time: ToolTime = field(default_factory=ToolTime)  # between a session's rounds
     # chat
     num_prompts: int = 100
     request_rate: float = math.inf
@@ -119,8 +123,10 @@ async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec:
                 rec.sessions_failed += 1
                 return
             session.complete(output)
-            if not session.done and spec.think_time > 0:
-                await asyncio.sleep(spec.think_time)
+            if not session.done:
+                pause = session.tool_pause()  # the tool call before the next round
+                if pause > 0:
+                    await asyncio.sleep(pause)
         if r is not None and started is not None:
             rec.session_times.append(r.end - started)
 
@@ -151,21 +157,23 @@ def agent_sessions(spec: BenchSpec, info: ServerInfo) -> tuple[list[Any], dict[s
     """The spec's agent sessions (generated, or a trace's chains) and what to record of them."""
     if spec.trace:
         sessions = trace_sessions(_scaled_trace(spec), spec.sessions, spec.rounds,
-                                  max_len=info.max_model_len)
+                                  max_len=info.max_model_len, tool_time=spec.tool_time)
         if len(sessions) < spec.sessions:
             raise ValueError(f"the trace has only {len(sessions)} chains that fit; asked for "
                              f"{spec.sessions} sessions")
-        return sessions, {"trace": spec.trace, "length_scale": spec.length_scale}
+        return sessions, {"trace": spec.trace, "length_scale": spec.length_scale,
+                          "tool_time": spec.tool_time.spec}
     w = AgentWorkload(sessions=spec.sessions, rounds=spec.rounds,
                       system_prompt_len=spec.system_prompt_len, task_len=spec.task_len,
                       tool_output_len=spec.tool_output_len, output_len=spec.output_len,
-                      vocab=spec.vocab, seed=spec.seed)
+                      vocab=spec.vocab, seed=spec.seed, tool_time=spec.tool_time)
     longest = (w.system_prompt_len + w.task_len
                + w.rounds * (w.tool_output_len[1] + w.output_len[1]))
     if info.max_model_len is not None and longest > info.max_model_len:
         raise ValueError(f"a session can reach {longest} tokens; the server's context is "
                          f"{info.max_model_len}: lower --rounds or the lengths")
-    return w.sessions_list(), {"agent_workload": asdict(w)}
+    return w.sessions_list(), {"agent_workload": {**asdict(w), "tool_time": spec.tool_time.spec},
+                               "tool_time": spec.tool_time.spec}
 
 
 def _scaled_trace(spec: BenchSpec) -> ScaledTrace:
@@ -256,14 +264,17 @@ def run_bench(spec: BenchSpec) -> dict[str, Any]:
 
 
 def format_result(res: dict[str, Any]) -> str:
-    """vLLM's result block, plus the session and SLO lines."""
+    """vLLM's result block, headed by the session completion line (agent runs), plus the
+    session and SLO lines."""
 
     def f(key: str, fmt: str = "{:.2f}") -> str:
         v = res.get(key)
         return "n/a" if v is None else fmt.format(v)
 
-    lines = [
-        "{:=^64}".format(f" Benchmark result: {res.get('label') or res.get('workload')} "),
+    lines = ["{:=^64}".format(f" Benchmark result: {res.get('label') or res.get('workload')} ")]
+    if res.get("sessions_completed"):
+        lines.append(headline(res))
+    lines += [
         f"{'Successful requests:':<44}{res['completed']:>20}",
         f"{'Failed requests:':<44}{res['failed']:>20}",
         f"{'Benchmark duration (s):':<44}{f('duration'):>20}",

@@ -40,7 +40,7 @@ from hlserve.bench.repeated import add_tax_intervals, run_points_repeated
 from hlserve.bench.serve_bench import BenchSpec, agent_sessions, recorder, run_bench
 from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
-from hlserve.driver.records import summarize
+from hlserve.driver.records import headline, summarize
 from hlserve.engine.args import parse_engine_args
 from hlserve.server.launch import ExternalServer, free_port
 
@@ -301,9 +301,8 @@ def _run_points(sw: SweepSpec, run: Callable[[Point, BenchSpec], dict[str, Any]]
         results.append({"label": point.label, "knobs": point.knobs, "args": point.args,
                         "metrics": res})
         if res.get("completed"):
-            log(f"    {res['total_token_throughput']:.0f} tok/s total, "
-                f"{res['output_throughput']:.1f} out; p99 TTFT {res['p99_ttft_ms']:.0f} ms, "
-                f"p99 TPOT {res['p99_tpot_ms'] or float('nan'):.0f} ms; session p50 "
-                f"{res['median_session_time_s'] or float('nan'):.1f}s; failed {res['failed']}; "
-                f"{res['wall_s']:.0f}s")
+            log(f"    {headline(res)}")
+            log(f"    {res['output_throughput']:.1f} out tok/s; p99 TTFT "
+                f"{res['p99_ttft_ms']:.0f} ms, p99 TPOT {res['p99_tpot_ms'] or float('nan'):.0f}"
+                f" ms; failed {res['failed']}; {res['wall_s']:.0f}s")
     return results

@@ -1,12 +1,17 @@
 """The one closed-loop agent driver for an in-process engine (wall or virtual clock): each
-session has one request in flight and sends its next round in the iteration its last one
-finished. Configured by a measurement window and by whether finished sessions are replaced
-(a fixed set of sessions run to the end, or a steady state at constant concurrency)."""
+session has one request in flight, or none while its tool call runs. A session sends its
+next round in the iteration its last one finished, or, when its workload has a tool time,
+once that many seconds have passed on the engine's clock (slept on the wall clock, jumped on
+a virtual one when every session is in a tool call; the engine steps the other sessions
+meanwhile). Configured by a measurement window and by whether finished sessions are
+replaced (a fixed set of sessions run to the end, or a steady state at constant
+concurrency)."""
 
 from __future__ import annotations
 
 import functools
 import gc
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -154,6 +159,9 @@ class _Run:
         self.si = 0  # initial sessions started
         self.next_index = 0
         self.inflight: dict[str, tuple[Any, list[int]]] = {}
+        # sessions in a tool call: (due, order, session), due in seconds from the start
+        self.in_tool: list[tuple[float, int, Any]] = []
+        self.tool_calls = 0
         self.session_start: dict[int, float] = {}
         self.res = LoopResult(records=[], duration=0.0, session_times=[])
         self.tokens = [0.0, 0.0]  # prompt, output tokens served inside the window
@@ -172,12 +180,29 @@ class _Run:
         self.session_start[sess.session_id] = self.now()
         self.submit(sess)
 
-    def submit(self, sess: Any) -> None:
+    def next_event(self) -> float | None:
+        """When the next session comes back from its tool call or starts (seconds from the
+        start), None when neither is left."""
+        due = [self.in_tool[0][0]] if self.in_tool else []
+        if self.si < self.n:
+            due.append(self.starts[self.si])
+        return min(due, default=None)
+
+    def release_due(self) -> None:
+        """Send the next round of every session whose tool call has ended, in due order."""
+        while self.in_tool and self.in_tool[0][0] <= self.now():
+            due, _, sess = heapq.heappop(self.in_tool)
+            self.submit(sess, arrival=self.t0 + due)
+
+    def submit(self, sess: Any, arrival: float | None = None) -> None:
+        """Send the session's next round; ``arrival`` (engine clock): when it was due, if
+        that was before the step that just ended finished (it waited for the engine as a
+        server's queue would hold it)."""
         prompt, out_len = sess.next_request()
         try:
             # each round names its session: with --session-ttl its pages are retained between
             # rounds (engine/sessions.py); without it the name changes nothing
-            req = self.engine.add_request(prompt, greedy(out_len),
+            req = self.engine.add_request(prompt, greedy(out_len), arrival_time=arrival,
                                           session_id=f"s{sess.session_id}")
         except InvalidRequestError as e:  # ends the session; never replaced (it would be again)
             now = self.now()
@@ -208,7 +233,7 @@ class _Run:
         if rec.success:
             sess.complete(list(req.output_token_ids))
             if not sess.done:
-                self.submit(sess)
+                self.after_round(sess)
                 return
             started = self.session_start.pop(sess.session_id)
             if self.w0 <= self.now() <= self.w1:
@@ -221,6 +246,16 @@ class _Run:
             self.session_start.pop(sess.session_id, None)
         if self.loop.replace_finished:
             self.start_session()
+
+    def after_round(self, sess: Any) -> None:
+        """The session's tool call, then its next round: at once when the call takes no time
+        (the zero-gap loop, unchanged), else queued until it is due."""
+        pause = sess.tool_pause() if hasattr(sess, "tool_pause") else 0.0
+        if pause <= 0.0:
+            self.submit(sess)
+            return
+        self.tool_calls += 1
+        heapq.heappush(self.in_tool, (self.now() + pause, self.tool_calls, sess))
 
     def count_unfinished(self) -> None:
         """Requests still running at the end: their tokens inside the window so far, exactly."""
@@ -247,14 +282,16 @@ def run_closed_loop(engine: Engine, new_session: Callable[[int], Any], sessions:
     bar = _progress_bar(loop, sessions, progress)
     cut = False
     run.start_due()
-    while run.inflight or run.si < run.n:
+    while run.inflight or run.in_tool or run.si < run.n:
         run.start_due()
+        run.release_due()
         if run.now() >= run.w1:
             break
         if not engine.has_unfinished():
-            if run.si >= run.n:
+            due = run.next_event()  # every live session is in a tool call or not started
+            if due is None:
                 break
-            wait_until(engine, run.t0 + run.starts[run.si])  # only unstarted sessions are left
+            wait_until(engine, run.t0 + min(due, run.w1))
             continue
         if loop.wall_limit is not None and time.perf_counter() - wall0 > loop.wall_limit:
             cut = True

@@ -31,8 +31,11 @@ Definitions (n = output tokens of a request):
 - ``total_token_throughput`` = (total_input_tokens + total_output_tokens) / duration;
   input tokens count every prompt token, prefix-cache hits included (``total_cached_tokens``
   says how many the server reported as cached)
-- session completion time = the session's last round finished − its first round sent;
-  ``sessions_per_hour`` = completed sessions / duration × 3600
+- session completion time = the session's last round finished − its first round sent, tool
+  calls between its rounds included (the job's time: the headline of an agent run);
+  ``session_completion_p50_s`` / ``_p90_s`` / ``_p99_s`` its percentiles (the same numbers
+  as ``median`` / ``p90`` / ``p99_session_time_s``), ``sessions_per_hour`` = completed
+  sessions / duration × 3600
 - SLO: a request is *good* when it meets every target given (``ttft ≤ slo_ttft_ms``,
   ``tpot ≤ slo_tpot_ms``, ``e2el ≤ slo_e2el_ms``; a one-token request has no TPOT and meets
   that target); ``slo_attainment`` = good / completed; ``request_goodput`` = good / duration
@@ -71,7 +74,9 @@ FORMULAS = {
     "request_throughput": "completed / duration",
     "output_throughput": "total_output_tokens / duration",
     "total_token_throughput": "(total_input_tokens + total_output_tokens) / duration",
-    "session_time": "a session's last round finished - its first round sent",
+    "session_time": "a session's last round finished - its first round sent (tool calls "
+                    "between its rounds included)",
+    "session_completion_pXX_s": "percentiles of session_time, seconds",
     "sessions_per_hour": "completed sessions / duration * 3600",
     "slo_attainment": "requests meeting every given SLO target / completed requests",
     "request_goodput": "requests meeting every given SLO target / duration",
@@ -274,11 +279,35 @@ def summarize(records: Iterable[RequestRecord], duration: float, slo: SLO = SLO(
         "sessions_per_hour": 3600.0 * len(session_times) / dur,
     })
     res.update(_stats(list(session_times), "session_time", "s", 1.0))
+    res.update(session_completion(session_times))
     res["errors"] = error_counts(bad)
     res["formulas"] = FORMULAS
     if extra:
         res.update(extra)
     return {k: _clean(v) for k, v in res.items()}
+
+
+COMPLETION_PERCENTILES = (50, 90, 99)
+
+
+def session_completion(session_times: Sequence[float]) -> dict[str, float | None]:
+    """``session_completion_p50_s`` etc.: percentiles of the sessions' completion times
+    (linear interpolation, as every percentile here), None with no session completed."""
+    return {f"session_completion_p{q}_s": stat(session_times, f"p{q}")
+            for q in COMPLETION_PERCENTILES}
+
+
+def headline(res: dict[str, Any]) -> str:
+    """The one line an agent run is judged by: session completion p50/p90/p99 with the
+    throughput beside it."""
+    qs = [res.get(f"session_completion_p{q}_s") for q in COMPLETION_PERCENTILES]
+    done = "/".join("n/a" if v is None else f"{v:.2f}" for v in qs)
+    tput = res.get("total_token_throughput")
+    tok = "n/a" if tput is None else f"{tput:.0f}"
+    sph = res.get("sessions_per_hour")
+    per_hour = "n/a" if sph is None else f"{sph:.1f}"
+    return (f"Session completion p50/p90/p99: {done} s | throughput {tok} tok/s, "
+            f"{per_hour} sessions/h")
 
 
 def error_counts(failed: Iterable[RequestRecord], limit: int = 20) -> dict[str, int]:

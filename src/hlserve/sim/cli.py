@@ -178,9 +178,27 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-only", action="store_true", help="plots and table from existing points")
     p.add_argument("--seed", type=int, default=0,
                    help="workload seed (with --repeats N: seeds SEED .. SEED+N-1) (default: 0)")
+    p.add_argument("--tool-time", default="0", type=tool_time_spec, metavar="SPEC",
+                   help="the tool call between a session's rounds, drawn per round from the "
+                        "seed: fixed:S, exp:MEAN, lognormal:MEDIAN:SIGMA, empirical:FILE "
+                        "(default: 0, the zero-gap study)")
     from hlserve.driver.repeats import add_repeat_args
 
     add_repeat_args(p, ray=True)
+
+
+def tool_time_spec(text: str) -> str:
+    """A ``--tool-time`` spec checked and written one way (``0`` for none, so a zero-gap
+    point's fingerprint is the one stored points carry); an empirical file keeps its path."""
+    from hlserve.tool_time import parse_tool_time
+
+    try:
+        t = parse_tool_time(text)
+    except (ValueError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if t.is_zero:
+        return "0"
+    return text.strip() if t.kind == "empirical" else t.spec
 
 
 def cmd_study(args: argparse.Namespace) -> None:
@@ -195,6 +213,7 @@ def cmd_study(args: argparse.Namespace) -> None:
         chunks=tuple(ints(args.chunks)) if args.chunks else None, duration=args.duration,
         warmup=args.warmup, rounds=args.rounds, output_mean=args.output_mean,
         prefix_reuse=args.prefix_reuse, wall_limit=args.wall_limit, seed=args.seed,
+        tool_time=args.tool_time,
     )
     out = Path(args.out)
     if not args.report_only:

@@ -23,6 +23,7 @@ from hlserve.driver import records
 from hlserve.driver.closed_loop import LoopResult
 from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.drive import run_agent_steady
+from hlserve.tool_time import parse_tool_time
 from hlserve.workloads import AgentWorkload
 
 # system -> (options, knob swept, default sweep)
@@ -76,6 +77,9 @@ class StudySpec:
     prefix_reuse: bool = True  # False: no round's prompt reuses an earlier round's (workloads.py)
     wall_limit: float = 900.0
     seed: int = 0
+    # the tool call between a session's rounds (hlserve.tool_time's spec); "0": none, the
+    # zero-gap study every stored point was made with
+    tool_time: str = "0"
     version: int = 3  # bump when a change invalidates stored points
 
     @classmethod
@@ -88,7 +92,7 @@ class StudySpec:
         """What a stored point must agree on to be reused."""
         return {k: getattr(self, k) for k in ("hardware", "tp", "model", "duration", "warmup",
                                                "rounds", "output_mean", "prefix_reuse", "seed",
-                                               "version")}
+                                               "tool_time", "version")}
 
     def points(self) -> list[Point]:
         out = []
@@ -132,7 +136,8 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
     vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
     workload = AgentWorkload.for_context(point.context, point.sessions, rounds=spec.rounds,
                                          output_mean=spec.output_mean, vocab=(3, vocab_hi),
-                                         seed=spec.seed, prefix_reuse=spec.prefix_reuse)
+                                         seed=spec.seed, prefix_reuse=spec.prefix_reuse,
+                                         tool_time=parse_tool_time(spec.tool_time))
     t = time.perf_counter()
     res = run_agent_steady(engine, workload, duration=spec.duration, warmup=spec.warmup,
                            wall_limit=spec.wall_limit, ramp=spec.warmup / 2, token_times=True)
@@ -170,10 +175,12 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
 
 def window_metrics(res: LoopResult) -> dict[str, Any]:
     """The window's requests summarized by :func:`hlserve.driver.records.summarize`: its brief
-    keys (``RunResult.summary()``'s), the failed requests, ITL and sessions per hour."""
+    keys (``RunResult.summary()``'s), the failed requests, ITL, sessions per hour and the
+    session completion percentiles."""
     full = records.summarize(res.records, res.duration, session_times=res.session_times)
-    return {**records.brief(full),
-            **{k: full[k] for k in ("failed", "median_itl_ms", "p99_itl_ms", "sessions_per_hour")}}
+    keep = ("failed", "median_itl_ms", "p99_itl_ms", "sessions_per_hour",
+            *records.session_completion(()).keys())
+    return {**records.brief(full), **{k: full[k] for k in keep}}
 
 
 def stall_metrics(recs: list[records.RequestRecord]) -> dict[str, float | None]:

@@ -96,7 +96,7 @@ def _worker(args: tuple[dict[str, Any], dict[str, Any], str]) -> str:
 
 # fingerprint fields added after points were stored: a stored point without one was made at
 # its default
-_LATER_FIELDS = {"output_mean": 200.0, "prefix_reuse": True}
+_LATER_FIELDS = {"output_mean": 200.0, "prefix_reuse": True, "tool_time": "0"}
 
 
 def _done(path: Path, spec: StudySpec) -> bool:
