@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runner",),
     ("engine",),
     ("models", "tokenizer"),
-    ("workloads", "config", "cpu_runtime", "stats"),
+    ("workloads", "coding_workload", "config", "cpu_runtime", "stats"),
     ("tool_time",),  # the agent workloads' tool-call pauses
     ("request",),
     ("structured",),  # grammars: below the request, whose params may carry one

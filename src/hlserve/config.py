@@ -101,6 +101,9 @@ class EngineConfig:
     # JSON text (a string keeps the config hashable and this layer free of the engine's
     # types); parsed and checked by engine/args.py:make_config. None: off
     speculative_config: str | None = None
+    # k chosen per step from measured acceptance and step cost (engine/spec_adaptive.py);
+    # False: num_speculative_tokens every step. Throughput mode's preset turns it on
+    speculative_adaptive: bool = False
     # checking: verify KV accounting after every step (tests turn this on)
     check_invariants: bool = False
 

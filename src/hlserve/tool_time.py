@@ -56,6 +56,18 @@ class ToolTime:
 NO_TOOL_TIME = ToolTime()  # the zero-gap default (a shared constant: it is frozen)
 
 
+def tool_rng(seed: int, index: int) -> random.Random:
+    """Session ``index``'s generator of tool times: its own stream, seeded from a string (not
+    ``hash()``, which differs per process), so drawing tool times never moves the draws of
+    the session's lengths and ids (or a coding session's tasks)."""
+    return random.Random(f"tool:{seed}:{index}")
+
+
+def draw_pause(tool_time: ToolTime, rng: random.Random) -> float:
+    """One tool call's seconds; a zero tool time draws nothing."""
+    return 0.0 if tool_time.is_zero else tool_time.sample(rng)
+
+
 def parse_tool_time(spec: str | float) -> ToolTime:
     """A spec (module docstring) as a :class:`ToolTime`; ValueError says what is wrong."""
     if isinstance(spec, int | float):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hlserve.tool_time import NO_TOOL_TIME, ToolTime
+from hlserve.tool_time import NO_TOOL_TIME, ToolTime, draw_pause, tool_rng
 
 
 @dataclass(frozen=True)
@@ -174,13 +174,6 @@ class AgentWorkload:
         )
 
 
-def tool_rng(seed: int, index: int) -> random.Random:
-    """Session ``index``'s generator of tool times: its own stream, seeded from a string (not
-    ``hash()``, which differs per process), so drawing tool times never moves the draws of
-    the session's lengths and ids."""
-    return random.Random(f"tool:{seed}:{index}")
-
-
 @dataclass
 class AgentSession:
     workload: AgentWorkload
@@ -232,11 +225,6 @@ class AgentSession:
         """Seconds the tool call after the round just completed runs before the next round
         is sent (drivers ask once per round that has a next one)."""
         return draw_pause(self.workload.tool_time, self.tool_rng)
-
-
-def draw_pause(tool_time: ToolTime, rng: random.Random) -> float:
-    """One tool call's seconds; a zero tool time draws nothing."""
-    return 0.0 if tool_time.is_zero else tool_time.sample(rng)
 
 
 # ---- Mooncake traces ---------------------------------------------------------------------------

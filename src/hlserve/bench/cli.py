@@ -56,9 +56,17 @@ def _json_object(text: str) -> dict[str, Any]:
 def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("workload")
     if not sweep:
-        g.add_argument("--workload", choices=["agent", "chat", "trace"], default="agent",
-                       help="agent: closed-loop sessions; chat: open-loop Poisson; trace: "
+        g.add_argument("--workload", choices=["agent", "coding", "chat", "trace"],
+                       default="agent",
+                       help="agent: closed-loop sessions; coding: closed-loop sessions editing "
+                            "files of a shared repository, in text through the chat template "
+                            "(needs --tokenizer); chat: open-loop Poisson; trace: "
                             "Mooncake-format replay by timestamps (default: agent)")
+    else:
+        g.add_argument("--workload", choices=["agent", "coding"], default="agent",
+                       help="agent: closed-loop sessions; coding: sessions editing files of "
+                            "a shared repository, in text through the model's chat template "
+                            "(default: agent)")
     g.add_argument("--sessions", type=int, default=16,
                    help="agent: concurrent sessions, one slot each (default: 16)")
     g.add_argument("--rounds", type=int, default=4,
@@ -70,12 +78,18 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--tool-output-len", type=parse_range, default=(64, 256), metavar="LO:HI",
                    help="agent: new tokens per round (default: 64:256)")
     g.add_argument("--output-len", type=parse_range, default=(16, 64), metavar="LO:HI",
-                   help="generated tokens per request, pinned with ignore_eos (default: 16:64)")
+                   help="generated tokens per request, pinned with ignore_eos; coding: "
+                        "max_tokens is HI, replies end at the model's end of turn "
+                        "(default: 16:64)")
     g.add_argument("--tool-time", type=tool_time_arg, default=None, metavar="SPEC",
                    help="agent: the tool call between a round's end and the next round, drawn "
                         "per round from the workload seed: fixed:S (or S), exp:MEAN, "
                         "lognormal:MEDIAN:SIGMA, empirical:FILE (seconds, one a line) "
                         "(default: 0, the next round at once)")
+    g.add_argument("--repo-files", type=int, default=8,
+                   help="coding: files in the shared repository (default: 8)")
+    g.add_argument("--files-per-round", type=int, default=1,
+                   help="coding: files quoted per round, the last one edited (default: 1)")
     if not sweep:
         g.add_argument("--think-time", type=float, default=None, metavar="S",
                        help="agent: the same as --tool-time fixed:S (kept for old command "
@@ -275,6 +289,8 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     spec.model = args.model_name
     if args.server_cmd is None:
         spec.model = args.model
+    if spec.workload == "coding" and spec.tokenizer is None:
+        spec.tokenizer = args.model  # a server point renders the chats with its tokenizer
     sw = SweepSpec(
         model=args.model, points=points, bench=spec, out_dir=args.out,
         engine_args=shlex.split(args.engine_args), server_cmd=args.server_cmd,

@@ -190,7 +190,10 @@ class BenchClient:
         return info
 
     # ---- one request --------------------------------------------------------------------
-    def body(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    def body(self, prompt_ids: list[int], max_tokens: int, pin: bool = True) -> dict[str, Any]:
+        """The request's JSON; ``pin`` False: the output length is the model's (a workload
+        whose replies are real text, the coding one), whatever ``ignore_eos`` / ``min_tokens``
+        say for the others."""
         info = self.info or ServerInfo(model=self.model or "")
         prompt: Any = prompt_ids
         if not info.token_prompts:
@@ -200,9 +203,9 @@ class BenchClient:
             "temperature": self.temperature, "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.ignore_eos:
+        if self.ignore_eos and pin:
             body["ignore_eos"] = True
-        if self.min_tokens:
+        if self.min_tokens and pin:
             body["min_tokens"] = max_tokens
         if info.return_token_ids:
             body["return_token_ids"] = True
@@ -210,10 +213,10 @@ class BenchClient:
         return body
 
     async def complete(self, prompt_ids: list[int], max_tokens: int, rec: RequestRecord,
-                       t0: float) -> list[int] | None:
+                       t0: float, pin: bool = True) -> list[int] | None:
         """Send one streamed completion; fill ``rec`` (times relative to ``t0``, a
         ``time.perf_counter`` value). Returns the output token ids, or None on failure."""
-        body = self.body(prompt_ids, max_tokens)
+        body = self.body(prompt_ids, max_tokens, pin)
         rec.expected_output_tokens = max_tokens
         if isinstance(body["prompt"], list):
             rec.prompt_tokens = len(prompt_ids)

@@ -10,6 +10,10 @@ driver shares (:mod:`hlserve.driver.records`):
   :class:`~hlserve.workloads.AgentWorkload`'s distributions, or from the chains of a
   Mooncake-format trace (``--trace``). A failed round ends its session (counted in
   ``sessions_failed``; an agent that lost a round has lost its context).
+- ``coding``: closed loop like ``agent``, in text: each round quotes files of one shared
+  synthetic repository and asks for an edited file (:mod:`hlserve.coding_workload`); the
+  prompts are the conversation rendered with the model's chat template (``--tokenizer``),
+  the replies the model's own, ended by its end of turn (not pinned).
 - ``chat``: open loop, Poisson arrivals at ``--request-rate`` (optionally capped at
   ``--max-concurrency`` requests in flight), single-turn, unique prompts.
 - ``trace``: open-loop replay of a Mooncake-format trace by its timestamps times
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
+from hlserve.coding_workload import ChatCodec, CodingWorkload
 from hlserve.driver.records import SLO, Recorder, RequestRecord, headline, summarize
 from hlserve.tool_time import ToolTime
 from hlserve.workloads import (
@@ -47,7 +52,8 @@ from hlserve.workloads import (
     trace_sessions,
 )
 
-WORKLOADS = ("agent", "chat", "trace")
+WORKLOADS = ("agent", "coding", "chat", "trace")
+CLOSED_LOOP = ("agent", "coding")
 
 
 @dataclass
@@ -65,6 +71,9 @@ class BenchSpec:
     tool_output_len: tuple[int, int] = (64, 256)
     output_len: tuple[int, int] = (16, 64)
     tool_time: ToolTime = field(default_factory=ToolTime)  # between a session's rounds
+    # coding (sessions, rounds as agent; max_tokens the top of output_len)
+    repo_files: int = 8
+    files_per_round: int = 1
     # chat
     num_prompts: int = 100
     request_rate: float = math.inf
@@ -115,7 +124,8 @@ async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec:
             prompt, out_len = session.next_request()
             r = RequestRecord(request_id=f"s{session.session_id}-r{session.round}",
                               session_id=session.session_id, round=session.round)
-            output = await client.complete(prompt, out_len, r, rec.t0)
+            output = await client.complete(prompt, out_len, r, rec.t0,
+                                           pin=getattr(session, "ignore_eos", True))
             if started is None:
                 started = r.start
             rec.add(r, prompt, output)
@@ -153,8 +163,38 @@ async def _open_loop(client: BenchClient, requests: list[OpenRequest], spec: Ben
     await asyncio.gather(*(one(i, q) for i, q in enumerate(requests)))
 
 
-def agent_sessions(spec: BenchSpec, info: ServerInfo) -> tuple[list[Any], dict[str, Any]]:
-    """The spec's agent sessions (generated, or a trace's chains) and what to record of them."""
+def coding_workload(spec: BenchSpec) -> CodingWorkload:
+    return CodingWorkload(sessions=spec.sessions, rounds=spec.rounds, files=spec.repo_files,
+                          files_per_round=spec.files_per_round, max_tokens=spec.output_len[1],
+                          seed=spec.seed, tool_time=spec.tool_time)
+
+
+def chat_codec(path: str | None) -> ChatCodec:
+    """hlserve's tokenizer (with the chat template) of a model directory, .gguf or named
+    model: what renders the coding workload's conversations."""
+    from hlserve.models.resolve import resolve_model
+    from hlserve.tokenizer import Tokenizer
+
+    if path is None:
+        raise ValueError("--workload coding renders chats: it needs --tokenizer (the served "
+                         "model's directory, .gguf file or name)")
+    tok = Tokenizer.from_dir(resolve_model(path))
+    if tok is None or not tok.chat_template:
+        raise ValueError(f"{path} has no tokenizer with a chat template: --workload coding "
+                         "needs one")
+    return tok
+
+
+def agent_sessions(spec: BenchSpec, info: ServerInfo, chat: ChatCodec | None = None,
+                   ) -> tuple[list[Any], dict[str, Any]]:
+    """The spec's agent sessions (generated, or a trace's chains) and what to record of them;
+    with ``--workload coding`` the coding sessions, rendered by ``chat`` (default: the
+    tokenizer ``--tokenizer`` names)."""
+    if spec.workload == "coding":
+        w = coding_workload(spec)
+        return w.sessions_list(chat or chat_codec(spec.tokenizer)), {
+            "coding_workload": {**asdict(w), "tool_time": spec.tool_time.spec},
+            "tool_time": spec.tool_time.spec}
     if spec.trace:
         sessions = trace_sessions(_scaled_trace(spec), spec.sessions, spec.rounds,
                                   max_len=info.max_model_len, tool_time=spec.tool_time)
@@ -191,7 +231,7 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
                            spec.min_tokens, spec.temperature) as client:
         info = await client.probe(spec.token_prompts, spec.return_token_ids)
         extra: dict[str, Any] = {}
-        if spec.workload == "agent":
+        if spec.workload in CLOSED_LOOP:
             sessions, extra = agent_sessions(spec, info)
             total = sum(len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
                         for s in sessions)

@@ -123,7 +123,7 @@ def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[
     virtual = hasattr(engine.clock, "advance")
     return summarize(res.records, res.duration, spec.slo, res.session_times,
                      res.sessions_failed,
-                     {"backend": "in-process", "label": spec.label, "workload": "agent",
+                     {"backend": "in-process", "label": spec.label, "workload": spec.workload,
                       "max_concurrency": len(sessions), "num_prompts": len(res.records),
                       "request_file": rec.path, "clock": "virtual" if virtual else "wall"})
 
@@ -148,7 +148,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
         _warm_up(engine)
     try:
         info = ServerInfo(model=model, max_model_len=engine.max_model_len)
-        sessions, extra = agent_sessions(spec, info)
+        sessions, extra = agent_sessions(spec, info, chat=engine.tokenizer)
         res = run_engine_agent(engine, sessions, spec)
         res.update(extra)
         res["engine_options"] = opts  # as asked (no cap as null)

@@ -65,9 +65,10 @@ def wait_until(engine: Engine, t: float) -> None:
         time.sleep(t - now)
 
 
-def greedy(n: int) -> SamplingParams:
-    """A workload request: ``n`` output tokens exactly (ignore_eos), greedy."""
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+def greedy(n: int, pin: bool = True) -> SamplingParams:
+    """A workload request, greedy: ``n`` output tokens exactly (ignore_eos), or with ``pin``
+    False up to ``n``, ending at the model's end of turn."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=pin)
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,10 @@ class _Run:
         try:
             # each round names its session: with --session-ttl its pages are retained between
             # rounds (engine/sessions.py); without it the name changes nothing
-            req = self.engine.add_request(prompt, greedy(out_len), arrival_time=arrival,
+            # a session whose replies are real text (the coding workload) says so: its
+            # lengths are the model's, not pinned
+            req = self.engine.add_request(prompt, greedy(out_len, getattr(sess, "ignore_eos", True)),
+                                          arrival_time=arrival,
                                           session_id=f"s{sess.session_id}")
         except InvalidRequestError as e:  # ends the session; never replaced (it would be again)
             now = self.now()

@@ -69,6 +69,9 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "speculative_config": (["--speculative-config"], "speculative decoding, vLLM's JSON: "
                            "'{\"method\": \"ngram\" | \"suffix\", \"num_speculative_tokens\": k, "
                            "...}' (no draft model)"),
+    "speculative_adaptive": (["--speculative-adaptive"], "on: k chosen per step (0..k) from "
+                             "the measured acceptance per position and step cost; off: "
+                             "num_speculative_tokens every step (throughput mode: on)"),
     "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
     "budget_min": (["--budget-min"], "EMA budget floor"),
     "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
@@ -129,9 +132,21 @@ def _speculative_flag(text: str) -> str | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def on_off(text: str) -> bool:
+    """A switch flag's value: on/true/yes/1 or off/false/no/0."""
+    word = text.strip().lower()
+    if word in ("on", "true", "yes", "1"):
+        return True
+    if word in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
 def _flag_type(name: str, default: Any) -> Any:
     if name == "speculative_config":
         return _speculative_flag
+    if isinstance(default, bool):
+        return on_off
     if name in ("max_step_seconds", "session_ttl"):
         return seconds
     if name in CAP_KNOBS:
@@ -149,6 +164,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (flags, help_text) in ENGINE_FLAGS.items():
         default = fields[name].default
         shown = "none" if default is None and name in CAP_KNOBS else default
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
         if name in CAP_KNOBS and "'none'" not in help_text:
             help_text += "; 'none': no cap"
         group.add_argument(*flags, dest=name, type=_flag_type(name, default),

@@ -96,7 +96,8 @@ class Engine:
         mc = runner.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
-        self.spec = SpecDecoder.from_json(config.speculative_config)
+        self.spec = SpecDecoder.from_json(config.speculative_config,
+                                          config.speculative_adaptive)
         if self.spec is not None and not runner.supports_speculation:
             raise ValueError(f"speculative decoding is not supported by {type(runner).__name__}")
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.spec)

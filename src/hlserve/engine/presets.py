@@ -79,6 +79,8 @@ def preset_options(name: str, dev: DeviceInfo) -> dict[str, Any]:
             defer_shared_prefill=True,
             retraction="fewest_generated", prefill_delay=None, max_chunked_prefills=None,
             max_prefill_tokens=None,
+            # with --speculative-config: k per step from acceptance and step cost
+            speculative_adaptive=True,
         )
     raise ValueError(f"unknown preset {name!r}: {', '.join(PRESETS)}")
 

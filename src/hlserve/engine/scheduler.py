@@ -177,6 +177,8 @@ class Scheduler:
             scheduled = self._scheduled
             # draft tokens take only what the decodes leave of the budget
             spare = self._budget - len(decoding)
+            if self.spec is not None:
+                self.spec.begin_step(len(decoding), spare)  # this step's k (adaptive)
             for req in decoding:
                 if req.status is RequestStatus.RUNNING and req.request_id not in scheduled \
                         and self._reserve(req, req.num_computed + 1):
@@ -378,9 +380,12 @@ class Scheduler:
         self.kv.trim(req.request_id, req.num_computed)
 
     def observe(self, batch: Batch, elapsed: float) -> None:
-        """Feed the iteration's forward time to the budget controller and the time cap."""
+        """Feed the iteration's forward time to the budget controller, the time cap and
+        speculation's step-cost fit."""
         self.budget_controller.observe(elapsed, batch.num_prefill_tokens > 0)
         self.time_cap.observe(elapsed, batch.num_tokens)
+        if self.spec is not None:
+            self.spec.observe_step(batch.num_tokens, elapsed)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -13,6 +13,11 @@ with a grammar (the matcher would have to advance through the draft and roll bac
 (one entry per emitted token would need every row's distribution), penalties or
 ``logit_bias`` (their counts change inside the draft). Those requests decode one token per
 step, as vLLM does for several of them.
+
+k is ``num_speculative_tokens`` every step, or with ``speculative_adaptive`` (throughput
+mode's default) chosen per step from the measured acceptance and step cost
+(engine/spec_adaptive.py): the scheduler calls :meth:`SpecDecoder.begin_step` once per pass
+before the drafts, and :meth:`SpecDecoder.observe_step` with the step's time.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from hlserve.engine.spec_adaptive import AdaptiveK
 from hlserve.engine.speculation import SpeculativeConfig, Speculator, make_speculator
 from hlserve.request import Request
 
@@ -33,6 +39,8 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # the per-step choice of k (steps by k, probes, acceptance per position); None: fixed k
+    adaptive: AdaptiveK | None = None
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -56,16 +64,22 @@ def speculates(req: Request) -> bool:
 class SpecDecoder:
     """The engine's speculation: the config, its speculator and the counters."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, adaptive: bool = False) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.speculator: Speculator = make_speculator(config)
-        self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self.adaptive = AdaptiveK(self.k) if adaptive else None
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k, adaptive=self.adaptive)
+        self._step_k = self.k  # this step's k (begin_step); fixed k without adaptive
+        self._probe = False  # one request of this step may still draft k_max (a probe)
 
     @classmethod
-    def from_json(cls, text: str | None) -> SpecDecoder | None:
-        """From ``EngineConfig.speculative_config`` (canonical JSON; None: off)."""
-        return None if text is None else cls(SpeculativeConfig.parse(json.loads(text)))
+    def from_json(cls, text: str | None, adaptive: bool = False) -> SpecDecoder | None:
+        """From ``EngineConfig.speculative_config`` (canonical JSON; None: off) and
+        ``speculative_adaptive``."""
+        if text is None:
+            return None
+        return cls(SpeculativeConfig.parse(json.loads(text)), adaptive)
 
     def describe(self) -> str:
         """The start-up line."""
@@ -75,9 +89,25 @@ class SpecDecoder:
                   f"tree depth {c.suffix_decoding_max_tree_depth}, spec factor "
                   f"{c.suffix_decoding_max_spec_factor}, min prob "
                   f"{c.suffix_decoding_min_token_prob}")
-        return (f"speculative decoding: {c.method}, up to {self.k} draft tokens per decode "
-                f"({detail}); off for requests with a grammar, logprobs, penalties or "
-                "logit_bias")
+        how = (f"up to {self.k} draft tokens per decode" if self.adaptive is None else
+               f"k chosen per step in 0..{self.k} (adaptive: the most expected tokens per "
+               f"second from the EMA of acceptance per position, alpha {self.adaptive.alpha}, "
+               f"and the fitted step cost t0 + t_row x rows; a draft token below "
+               f"{self.adaptive.min_gain} acceptance never; a probe every "
+               f"{self.adaptive.probe_every} steps at k 0)")
+        return (f"speculative decoding: {c.method}, {how} ({detail}); off for requests with "
+                "a grammar, logprobs, penalties or logit_bias")
+
+    def begin_step(self, decodes: int, spare: float) -> None:
+        """A scheduling pass starts its drafts: ``decodes`` decoding requests, ``spare``
+        tokens of budget after them. Sets this step's k (adaptive) or keeps k_max."""
+        if self.adaptive is not None:
+            self._step_k, self._probe = self.adaptive.choose(decodes, spare)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step's forward ran ``rows`` query rows in ``seconds`` (the adaptive cost fit)."""
+        if self.adaptive is not None:
+            self.adaptive.observe_step(rows, seconds)
 
     def draft(self, req: Request, limit: float, max_model_len: int) -> list[int]:
         """Up to ``limit`` (the budget the step's decodes leave) draft tokens for a decoding
@@ -86,15 +116,22 @@ class SpecDecoder:
             return []
         left = min(req.params.max_tokens - len(req.output_token_ids),
                    max_model_len - req.num_tokens)
-        k = int(min(self.k, limit, left - 1))
+        probing = self._step_k == 0 and self._probe
+        k = int(min(self.k if probing else self._step_k, limit, left - 1))
         if k <= 0:
             return []
         context = req.all_token_ids
         self.speculator.observe(req.request_id, context, len(req.prompt_token_ids))
-        return self.speculator.propose(req.request_id, context, k)[:k]
+        draft = self.speculator.propose(req.request_id, context, k)[:k]
+        if draft and probing and self.adaptive is not None:
+            self._probe = False  # one probe per step
+            self.adaptive.probes += 1
+        return draft
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.stats.record(num_draft, num_accepted)
+        if self.adaptive is not None:
+            self.adaptive.observe_draft(num_draft, num_accepted)
 
     def finish(self, request_id: str) -> None:
         self.speculator.finish(request_id)

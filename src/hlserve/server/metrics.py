@@ -28,7 +28,7 @@ PREFIX = "hlserve:"
 # every family whose name and meaning are vLLM's is also exposed under vLLM's prefix, so
 # vLLM's Grafana dashboards and alerts work unchanged; hlserve's own are not
 VLLM_PREFIX = "vllm:"
-HLSERVE_ONLY = ("requests_rejected", "engine_step_errors")
+HLSERVE_ONLY = ("requests_rejected", "engine_step_errors", "spec_decode_adaptive")
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -102,6 +102,16 @@ class ServerMetrics:
         self.spec_per_pos = Counter(m + "spec_decode_num_accepted_tokens_per_pos", "Draft "
                                     "tokens accepted, by position in the draft.",
                                     ["model_name", "position"], registry=r)
+        # throughput mode's per-step k (engine/spec_adaptive.py), hlserve's own
+        self.spec_steps_by_k = Counter(m + "spec_decode_adaptive_steps", "Steps with decodes, "
+                                       "by the number of draft tokens chosen (k).",
+                                       ["model_name", "k"], registry=r)
+        self.spec_probes = Counter(m + "spec_decode_adaptive_probes", "Drafts of k_max tokens "
+                                   "while k was 0, to measure acceptance.", ["model_name"],
+                                   registry=r)
+        self.spec_accept = Gauge(m + "spec_decode_adaptive_acceptance", "EMA of the probability "
+                                 "that a draft token is accepted when those before it were, "
+                                 "by position.", ["model_name", "position"], registry=r)
         self._spec_seen: dict[str, int] = {}  # the engine's totals already counted
         self.engine_step_errors = Counter(m + "engine_step_errors", "Engine steps that raised "
                                           "(their requests failed).", ["model_name"], registry=r)
@@ -139,6 +149,13 @@ class ServerMetrics:
             self._grow(self.spec[name].labels(self.model_name), name, getattr(stats, name))
         for i, n in enumerate(stats.accepted_per_pos):
             self._grow(self.spec_per_pos.labels(self.model_name, str(i)), f"pos{i}", n)
+        adaptive = stats.adaptive
+        if adaptive is not None:
+            for k, n in enumerate(adaptive.steps_by_k):
+                self._grow(self.spec_steps_by_k.labels(self.model_name, str(k)), f"k{k}", n)
+            self._grow(self.spec_probes.labels(self.model_name), "probes", adaptive.probes)
+            for i, a in enumerate(adaptive.accept):
+                self.spec_accept.labels(self.model_name, str(i)).set(a)
 
     def _grow(self, counter: Any, key: str, total: int) -> None:
         """Count what a running total grew by since it was last seen (zero creates the
