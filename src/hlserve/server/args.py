@@ -32,6 +32,9 @@ DEFAULT_REQUEST_PREFILL_WINDOW = 8192
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
+# stored responses of /v1/responses (server/response_store.py): count and JSON bytes
+DEFAULT_RESPONSES_STORE_MAX = 1000
+DEFAULT_RESPONSES_STORE_MAX_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class ServerSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # the bounds of the stored responses (previous_response_id); 0 responses: none stored
+    responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX
+    responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
 
 
 def _cap_or_none(text: str) -> int | None:
@@ -79,6 +85,13 @@ def _cap_or_none(text: str) -> int | None:
         return parse_cap(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _positive(kind: type):
@@ -170,6 +183,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "qwen3 or deepseek_r1 (vLLM's names)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto' (needs --tool-call-parser), as vLLM")
+    g.add_argument("--responses-store-max", type=_non_negative,
+                   default=DEFAULT_RESPONSES_STORE_MAX,
+                   help="keep at most this many /v1/responses responses for "
+                        "previous_response_id, least recently used evicted first; 0: store "
+                        f"none (default: {DEFAULT_RESPONSES_STORE_MAX})")
+    g.add_argument("--responses-store-max-bytes", type=_positive(int),
+                   default=DEFAULT_RESPONSES_STORE_MAX_BYTES,
+                   help="and at most this many bytes of them (their JSON, conversations "
+                        f"included) (default: {DEFAULT_RESPONSES_STORE_MAX_BYTES})")
 
 
 def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
@@ -200,4 +222,6 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store_max=args.responses_store_max,
+        responses_store_max_bytes=args.responses_store_max_bytes,
     )

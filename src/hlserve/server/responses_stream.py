@@ -14,7 +14,7 @@ its ``sequence_number``; there is no ``[DONE]`` (OpenAI sends none on this endpo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,8 @@ class ResponseEvents:
     seq: int = 0
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    # called with the finished response (completed or incomplete): where it is stored
+    on_final: Callable[[dict[str, Any]], None] | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -173,6 +175,8 @@ class ResponseEvents:
         final = {**self.shell, **final_status(self.finish_reason), "output": self.items,
                  "usage": response_usage(self.usage)}
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        if self.on_final is not None:
+            self.on_final(final)
         return [*out, self.event(kind, response=final)]
 
     def failed(self, error: dict[str, Any]) -> list[str]:

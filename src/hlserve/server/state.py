@@ -1,7 +1,8 @@
 """What every handler reads: :class:`ServerState`, one per app (``app.state.hlserve``).
 
 It holds the engine and the bridge to its thread, the settings, the API keys, the names
-the model is served under and the sampling defaults of its ``generation_config.json``;
+the model is served under, the sampling defaults of its ``generation_config.json`` and the
+stored responses of ``/v1/responses``;
 handlers are module-level functions that find it with :func:`state_of`.
 """
 
@@ -21,6 +22,7 @@ from hlserve.server.defaults import SamplingDefaults
 from hlserve.server.metrics import ServerMetrics
 from hlserve.server.offload import Offload, OffloadLimits
 from hlserve.server.protocol import now_s
+from hlserve.server.response_store import ResponseStore, StoreLimits
 
 
 def hlserve_version() -> str:
@@ -59,6 +61,9 @@ class ServerState:
         self.created = now_s()
         # generation_config.json's sampling defaults, for fields a request leaves out
         self.sampling_defaults = SamplingDefaults.load(model_path)
+        # stored responses of /v1/responses, what previous_response_id continues from
+        self.responses = ResponseStore(StoreLimits(settings.responses_store_max,
+                                                   settings.responses_store_max_bytes))
 
 
 def served_name(model_path: str) -> str:
