@@ -75,9 +75,10 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams], cli
         params = [replace(p, skip_special_tokens=False) for p in params]
     check_constrained(req, spec, "an output constraint")
     if (tool_spec := plan.constraint(functions)) is not None:
-        if spec is not None:
-            raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
-                           "output constraint", param="tool_choice", code="invalid_value")
+        # a forced call outranks response_format / structured_outputs, as in vLLM (its tool
+        # parser's adjust_request): the answer is a call, whose shape the tools fix. Agents
+        # send both: the OpenAI Agents SDK sends its output_type's format on every turn,
+        # tool_choice "required" included
         check_constrained(req, tool_spec, f"tool_choice {plan.mode}")
         spec, param = tool_spec, "tools"
     if spec is None:
