@@ -173,6 +173,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (default: info)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_agent_args(g)
+
+
+def add_agent_args(g: argparse._ArgumentGroup) -> None:
+    """What agents use: tool calls, reasoning, stored responses."""
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 "
                         "<tool_call>{json}</tool_call>), llama3_json (Llama 3 JSON), "
