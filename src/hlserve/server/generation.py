@@ -28,6 +28,7 @@ from hlserve.server.state import ServerState
 from hlserve.server.tool_parsers import ToolPlan, tool_plan
 from hlserve.structured import StructuredOutputsParams
 from hlserve.structured.grammar import GrammarState
+from hlserve.structured.thinking import ThinkingBudget
 
 
 def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
@@ -44,7 +45,23 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
             raise context_length_error(st.max_model_len, n_prompt, requested)
         max_tokens = requested
     check_logprob_volume(req, max_tokens)
-    return req.sampling_params(max_tokens)
+    return with_thinking_budget(st, req, req.sampling_params(max_tokens))
+
+
+def with_thinking_budget(st: ServerState, req: Any, params: SamplingParams) -> SamplingParams:
+    """vLLM's ``thinking_token_budget`` (-1: unlimited): the end of a reasoning section is
+    forced after that many tokens in it. As vLLM, only with a reasoning parser, whose
+    ``<think>`` / ``</think>`` mark the section."""
+    budget = getattr(req, "thinking_token_budget", None)
+    if budget is None or budget == -1:
+        return params
+    if st.thinking_markers is None:
+        raise ApiError(400, "thinking_token_budget is set but reasoning_config is not "
+                       "configured. Please set --reasoning-parser to use "
+                       "thinking_token_budget.", param="thinking_token_budget",
+                       code="invalid_value")
+    start, end = st.thinking_markers
+    return replace(params, thinking=ThinkingBudget(budget, start, end))
 
 
 def chat_reasoning(st: ServerState, req: Any) -> ReasoningParser | None:

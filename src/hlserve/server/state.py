@@ -22,7 +22,10 @@ from hlserve.server.defaults import SamplingDefaults
 from hlserve.server.metrics import ServerMetrics
 from hlserve.server.offload import Offload, OffloadLimits
 from hlserve.server.protocol import now_s
+from hlserve.server.reasoning import END as THINK_END
+from hlserve.server.reasoning import START as THINK_START
 from hlserve.server.response_store import ResponseStore, StoreLimits
+from hlserve.tokenizer import Tokenizer
 
 
 def hlserve_version() -> str:
@@ -61,9 +64,22 @@ class ServerState:
         self.created = now_s()
         # generation_config.json's sampling defaults, for fields a request leaves out
         self.sampling_defaults = SamplingDefaults.load(model_path)
+        # the token ids that open and close a reasoning section (thinking_token_budget)
+        self.thinking_markers = thinking_markers(self.tokenizer, settings.reasoning_parser)
         # stored responses of /v1/responses, what previous_response_id continues from
         self.responses = ResponseStore(StoreLimits(settings.responses_store_max,
                                                    settings.responses_store_max_bytes))
+
+
+def thinking_markers(tokenizer: Tokenizer | None, reasoning_parser: str | None
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``<think>`` and ``</think>`` as token ids, as vLLM's reasoning config derives them from
+    the reasoning parser's strings; None without a parser (or a tokenizer)."""
+    if reasoning_parser is None or tokenizer is None:
+        return None
+    start, end = (tuple(tokenizer.encode(text, add_special_tokens=False))
+                  for text in (THINK_START, THINK_END))
+    return (start, end) if start and end else None
 
 
 def served_name(model_path: str) -> str:
