@@ -145,10 +145,12 @@ def test_server_budget(server) -> None:
         assert e.value.body["param"] == "thinking_token_budget"
 
 
-def test_budget_needs_a_reasoning_parser(tiny_model_dirs: dict[str, Path], tmp_path: Path
+def test_budget_needs_a_reasoning_config(tiny_model_dirs: dict[str, Path], tmp_path: Path
                                          ) -> None:
-    """As vLLM: without a reasoning config there is no section to budget, so a 400."""
-    with ServerProcess(tiny_model_dirs["qwen2"], ARGS, log_path=tmp_path / "s.log") as srv:
+    """As vLLM: without a reasoning parser or config there is no section to budget, so a
+    400; ``--reasoning-config`` alone names the section, its end string is what is forced."""
+    model = tiny_model_dirs["qwen2"]
+    with ServerProcess(model, ARGS, log_path=tmp_path / "s.log") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
                                timeout=60)
         with pytest.raises(openai.BadRequestError) as e:
@@ -156,3 +158,21 @@ def test_budget_needs_a_reasoning_parser(tiny_model_dirs: dict[str, Path], tmp_p
                                       extra_body={"thinking_token_budget": 8})
         assert e.value.body["param"] == "thinking_token_budget"
         assert "--reasoning-parser" in e.value.body["message"]
+    config = '{"reasoning_start_str": "<think>", "reasoning_end_str": "Enough.</think>"}'
+    with ServerProcess(model, [*ARGS, "--reasoning-config", config],
+                       log_path=tmp_path / "s2.log") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                               timeout=60)
+        end = ids_of(srv, "Enough.</think>")
+        prompt = ids_of(srv, "Is it warm?\n") + ids_of(srv, "<think>")
+        free = completion_ids(client, prompt)
+        budgeted = completion_ids(client, prompt, thinking_token_budget=3)
+        assert budgeted[:3] == free[:3] and budgeted[3:3 + len(end)] == end
+
+
+def test_natural_end_differs_from_the_forced_one() -> None:
+    """With a closing phrase forced (vLLM's reasoning_end_str), the model's own </think>
+    still closes a section."""
+    spec = ThinkingBudget(3, START, (42, *END), END)
+    assert run(spec, [*START], [5, *END, 5, 5, 5, 5]) == [5, *END, 5, 5, 5, 5]
+    assert run(spec, [*START], [5] * 7) == [5, 5, 5, 42, *END, 5]

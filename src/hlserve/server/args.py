@@ -8,6 +8,7 @@ request that names none is the engine's ``--default-request-class``.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,10 @@ class ServerSettings:
     # tool_choice "auto" (the default when tools are sent) is allowed at all
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # vLLM's --reasoning-config: the strings that open a reasoning section and that are
+    # forced to end it under thinking_token_budget; None: the reasoning parser's
+    reasoning_start_str: str | None = None
+    reasoning_end_str: str | None = None
     enable_auto_tool_choice: bool = False
     # the bounds of the stored responses (previous_response_id); 0 responses: none stored
     responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX
@@ -85,6 +90,23 @@ def _cap_or_none(text: str) -> int | None:
         return parse_cap(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+def _reasoning_config(text: str) -> dict[str, str]:
+    """vLLM's ``--reasoning-config`` JSON, of the keys hlserve reads."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict) or set(obj) - set(REASONING_CONFIG_KEYS) or not all(
+            isinstance(v, str) and v for v in obj.values()):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object with non-empty strings for {' / '.join(REASONING_CONFIG_KEYS)}"
+            f", got {text!r}")
+    return obj
 
 
 def _non_negative(text: str) -> int:
@@ -186,6 +208,11 @@ def add_agent_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="put the model's <think>...</think> text into reasoning_content: "
                         "qwen3 or deepseek_r1 (vLLM's names)")
+    g.add_argument("--reasoning-config", type=_reasoning_config, default={},
+                   metavar="JSON", help="vLLM's: {\"reasoning_start_str\": ..., "
+                   "\"reasoning_end_str\": ...}, the strings of a reasoning section for "
+                   "thinking_token_budget (the end string is what is forced, e.g. a closing "
+                   "phrase and </think>); default: the reasoning parser's <think> / </think>")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto' (needs --tool-call-parser), as vLLM")
     g.add_argument("--responses-store-max", type=_non_negative,
@@ -226,6 +253,8 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        reasoning_start_str=args.reasoning_config.get("reasoning_start_str"),
+        reasoning_end_str=args.reasoning_config.get("reasoning_end_str"),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         responses_store_max=args.responses_store_max,
         responses_store_max_bytes=args.responses_store_max_bytes,

@@ -28,7 +28,6 @@ from hlserve.server.state import ServerState
 from hlserve.server.tool_parsers import ToolPlan, tool_plan
 from hlserve.structured import StructuredOutputsParams
 from hlserve.structured.grammar import GrammarState
-from hlserve.structured.thinking import ThinkingBudget
 
 
 def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
@@ -51,17 +50,16 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
 def with_thinking_budget(st: ServerState, req: Any, params: SamplingParams) -> SamplingParams:
     """vLLM's ``thinking_token_budget`` (-1: unlimited): the end of a reasoning section is
     forced after that many tokens in it. As vLLM, only with a reasoning parser, whose
-    ``<think>`` / ``</think>`` mark the section."""
+    ``<think>`` / ``</think>`` mark the section (or ``--reasoning-config``'s strings)."""
     budget = getattr(req, "thinking_token_budget", None)
     if budget is None or budget == -1:
         return params
     if st.thinking_markers is None:
         raise ApiError(400, "thinking_token_budget is set but reasoning_config is not "
-                       "configured. Please set --reasoning-parser to use "
-                       "thinking_token_budget.", param="thinking_token_budget",
+                       "configured. Please set --reasoning-parser and/or --reasoning-config "
+                       "to use thinking_token_budget.", param="thinking_token_budget",
                        code="invalid_value")
-    start, end = st.thinking_markers
-    return replace(params, thinking=ThinkingBudget(budget, start, end))
+    return replace(params, thinking=replace(st.thinking_markers, budget=budget))
 
 
 def chat_reasoning(st: ServerState, req: Any) -> ReasoningParser | None:

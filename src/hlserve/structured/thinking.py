@@ -25,11 +25,19 @@ from hlserve.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class ThinkingBudget:
-    """At most ``budget`` tokens per section between ``start_ids`` and ``end_ids``."""
+    """At most ``budget`` tokens per section between ``start_ids`` and ``end_ids``.
+    ``natural_end_ids``: how the model itself closes a section, when the forced end differs
+    (vLLM's ``reasoning_end_str`` may put a transition phrase before ``</think>``); empty:
+    ``end_ids``."""
 
     budget: int
     start_ids: tuple[int, ...]
     end_ids: tuple[int, ...]
+    natural_end_ids: tuple[int, ...] = ()
+
+    @property
+    def closing_ids(self) -> tuple[int, ...]:
+        return self.natural_end_ids or self.end_ids
 
     def validate(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0:
@@ -38,7 +46,7 @@ class ThinkingBudget:
             raise InvalidRequestError("thinking budget needs the start and end token ids of a "
                                       "reasoning section")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-               for t in (*self.start_ids, *self.end_ids)):
+               for t in (*self.start_ids, *self.end_ids, *self.natural_end_ids)):
             raise InvalidRequestError("thinking budget token ids must be non-negative ints")
 
 
@@ -49,7 +57,7 @@ class ThinkingState:
     def __init__(self, spec: ThinkingBudget, prompt_ids: Sequence[int]) -> None:
         self.spec = spec
         start = _last_index(prompt_ids, spec.start_ids)
-        end = _last_index(prompt_ids, spec.end_ids)
+        end = _last_index(prompt_ids, spec.closing_ids)
         # the prompt opened a section it did not close (e.g. a template ending in <think>)
         self.inside = start > end
         self.count = len(prompt_ids) - start - len(spec.start_ids) if self.inside else 0
@@ -59,7 +67,8 @@ class ThinkingState:
         self._check_budget()
 
     def _window(self) -> int:
-        return max(len(self.spec.start_ids), len(self.spec.end_ids))
+        return max(len(self.spec.start_ids), len(self.spec.end_ids),
+                   len(self.spec.closing_ids))
 
     def _ends_with(self, ids: tuple[int, ...]) -> bool:
         n = len(ids)
@@ -86,7 +95,7 @@ class ThinkingState:
                 self.inside, self.count, self.forcing = False, 0, None
             return
         if self.inside:
-            if self._ends_with(self.spec.end_ids):  # the model closed it itself
+            if self._ends_with(self.spec.closing_ids):  # the model closed it itself
                 self.inside, self.count = False, 0
             else:
                 self.count += 1
