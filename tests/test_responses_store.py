@@ -86,6 +86,7 @@ def test_three_turn_chain(client: openai.OpenAI, server) -> None:
                                  temperature=0.0, max_output_tokens=40)
     (call,) = [o for o in r1.output if o.type == "function_call"]
     assert r1.store is True and r1.previous_response_id is None
+    assert r1.id.startswith("resp_") and call.id.startswith("fc_")  # OpenAI's, vLLM's ids
     result = str(sum(json.loads(call.arguments).values()))
     r2 = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=[ADD],
                                  instructions="Be brief.", tool_choice="none", input=[{

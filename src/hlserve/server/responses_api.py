@@ -72,6 +72,7 @@ from hlserve.server.responses_stream import (
     ResponseEvents,
     final_status,
     function_call_item,
+    item_id,
     message_item,
     reasoning_item,
     response_stream,
@@ -357,7 +358,7 @@ async def create_response(request: Request) -> Response:
     chat = inbound.req
     ids = await encode_chat(st, chat, inbound.offload, inbound.client)
     params = (await constrain(st, chat, [sampling(st, chat, len(ids))], inbound.client))[0]
-    rid = new_id("resp")
+    rid = item_id("resp")
     group = await submit(st, rid, [ids], [params], inbound)
     model = chat.model or st.model_name
     shell = response_shell(rid, model, req, turn.store)
@@ -426,11 +427,11 @@ def finish_response(shell: dict[str, Any], body: dict[str, Any]) -> dict[str, An
     items: list[dict[str, Any]] = []
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     if msg.get("reasoning_content"):
-        items.append(reasoning_item(new_id("rs"), msg["reasoning_content"]))
+        items.append(reasoning_item(item_id("rs"), msg["reasoning_content"]))
     if msg.get("content"):
-        items.append(message_item(new_id("msg"), msg["content"], status))
+        items.append(message_item(item_id("msg"), msg["content"], status))
     for call in msg.get("tool_calls") or ():
-        items.append(function_call_item(new_id("fc"), call["id"], call["function"]["name"],
+        items.append(function_call_item(item_id("fc"), call["id"], call["function"]["name"],
                                         call["function"]["arguments"], status))
     return {**shell, **final_status(choice["finish_reason"]), "output": items,
             "usage": response_usage(body["usage"])}

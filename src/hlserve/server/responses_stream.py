@@ -14,6 +14,7 @@ its ``sequence_number``; there is no ``[DONE]`` (OpenAI sends none on this endpo
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,12 @@ from hlserve.server.protocol import new_id
 from hlserve.server.streaming import SSE_DONE, ChatChunks, sse, stream
 
 # ---- output items -----------------------------------------------------------------------------
+
+
+def item_id(prefix: str) -> str:
+    """An id of the Responses API: ``resp_``, ``msg_``, ``fc_``, ``rs_`` and hex, OpenAI's
+    and vLLM's shape (chat's ids are ``chatcmpl-...``)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
@@ -123,7 +130,7 @@ class ResponseEvents:
 
     def reasoning(self, text: str) -> list[str]:
         out = [] if self.open_key == "reasoning" else \
-            self._open("reasoning", reasoning_item(new_id("rs"), ""))
+            self._open("reasoning", reasoning_item(item_id("rs"), ""))
         item = self.items[-1]
         item["content"][0]["text"] += text
         out.append(self.event("response.reasoning_text.delta", item_id=item["id"],
@@ -132,7 +139,7 @@ class ResponseEvents:
 
     def text(self, text: str) -> list[str]:
         out = [] if self.open_key == "message" else \
-            self._open("message", message_item(new_id("msg"), None, "in_progress"))
+            self._open("message", message_item(item_id("msg"), None, "in_progress"))
         item = self.items[-1]
         item["content"][0]["text"] += text
         out.append(self.event("response.output_text.delta", item_id=item["id"],
@@ -145,7 +152,7 @@ class ResponseEvents:
         fn = tc.get("function") or {}
         out = []
         if self.open_key != key:
-            out = self._open(key, function_call_item(new_id("fc"), tc.get("id") or new_id("call"),
+            out = self._open(key, function_call_item(item_id("fc"), tc.get("id") or new_id("call"),
                                                      fn.get("name") or "", "", "in_progress"))
         item = self.items[-1]
         if args := fn.get("arguments"):
