@@ -2,7 +2,7 @@
 a real ``hlserve serve`` of the tiny model: plain and streamed answers (the streamed events
 add up to the unstreamed response), a two-turn function-calling loop fed back with
 ``function_call_output`` items and rendered as the equivalent chat, structured
-``text.format``, and 400s for what is not served (hosted tools, stored responses)."""
+``text.format``, and 400s for what is not served (hosted tools, background responses)."""
 
 from __future__ import annotations
 
@@ -141,13 +141,12 @@ def test_structured_text_format(client: openai.OpenAI) -> None:
     ({"tools": [{"type": "web_search"}]}, "tools", "hosted tool"),
     ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools",
      "hosted tool"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-    ({"store": True}, "store", "stores no responses"),
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning", "summaries"),
     ({"input": [{"type": "message", "role": "user",
                  "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input", "only text"),
     ({"truncation": "auto"}, "truncation", "not supported"),
+    ({"background": True}, "background", "not supported"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning_effort", "must be one of"),
 ])
 def test_refused(client: openai.OpenAI, fields: dict[str, Any], param: str, words: str) -> None:

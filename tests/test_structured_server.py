@@ -193,6 +193,20 @@ def test_required_tool_choice(client: openai.OpenAI) -> None:
         check_calls(r.choices[0].message.tool_calls, TOOL_SCHEMAS)
 
 
+def test_forced_call_outranks_response_format(client: openai.OpenAI) -> None:
+    """As vLLM: tool_choice required (or named) with a response_format answers the call (the
+    tools' grammar); the format is for a text answer, which a forced call has not. The
+    OpenAI Agents SDK sends both on every turn of an agent with an output_type."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}}}
+    for choice in ("required", {"type": "function", "function": {"name": TOOLS[0]["function"][
+            "name"]}}):
+        r = chat(client, "use a tool", tools=TOOLS, tool_choice=choice, response_format=fmt,
+                 parallel_tool_calls=False, max_tokens=200, temperature=0.0)
+        assert r.choices[0].message.tool_calls, r.choices[0]
+        check_calls(r.choices[0].message.tool_calls, TOOL_SCHEMAS)
+
+
 def stream_tool_calls(client: openai.OpenAI, **kw: Any) -> tuple[str, dict[int, dict], str]:
     """A streamed reply accumulated as OpenAI clients do: content, calls by index, reason."""
     content, calls, reason = "", {}, None
@@ -281,8 +295,6 @@ def test_tool_history_renders(client: openai.OpenAI) -> None:
     ({"extra_body": {"structured_outputs": {"bogus": 1}}}, "Unrecognized"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "not in tools"),
-    ({"tools": TOOLS, "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"tool_choice": "required"}, "requires tools"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
 ])

@@ -10,6 +10,7 @@ from typing import Any
 
 from hlserve.errors import InvalidRequestError
 from hlserve.structured.params import StructuredOutputsParams
+from hlserve.structured.thinking import ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class SamplingParams:
     # False: special tokens stay in the text (vLLM's flag; the server sets it when tools are
     # present, since a tokenizer may mark a tool-call tag as special)
     skip_special_tokens: bool = True
+    # vLLM's thinking_token_budget: at most this many tokens per reasoning section, then
+    # its end is forced (hlserve.structured.thinking); None: no budget. Not applied to a
+    # constrained request, whose grammar leaves no room to think
+    thinking: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -92,6 +97,10 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidRequestError("structured_outputs must be StructuredOutputsParams")
             self.structured_outputs.validate()
+        if self.thinking is not None:
+            if not isinstance(self.thinking, ThinkingBudget):
+                raise InvalidRequestError("thinking must be a ThinkingBudget")
+            self.thinking.validate()
 
     def _validate_adjustments(self) -> None:
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
@@ -252,6 +261,9 @@ class Request:
     # the grammar matcher of a constrained request (hlserve.structured.grammar.GrammarState),
     # advanced by the engine with each token it appends; None: unconstrained
     grammar: Any = None
+    # where its reasoning is against params.thinking (hlserve.structured.thinking
+    # .ThinkingState), synced by the runner before each sample; None: no budget
+    thinking: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

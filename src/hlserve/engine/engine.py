@@ -32,6 +32,7 @@ from hlserve.request import (
     TokenLogprobs,
 )
 from hlserve.structured.grammar import GrammarCompiler, GrammarError, GrammarState
+from hlserve.structured.thinking import ThinkingState
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
@@ -175,6 +176,8 @@ class Engine:
         )
         if params.structured_outputs is not None:
             req.grammar = grammar or self.grammars.state(params.structured_outputs)
+        elif params.thinking is not None:
+            req.thinking = ThinkingState(params.thinking, ids)
         if request_id is not None:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -11,7 +11,8 @@ the pages that held rejected drafts the same step (``Scheduler.settle_draft``).
 A request speculates only where speculation is exact and hlserve handles it per row: not
 with a grammar (the matcher would have to advance through the draft and roll back), logprobs
 (one entry per emitted token would need every row's distribution), penalties or
-``logit_bias`` (their counts change inside the draft). Those requests decode one token per
+``logit_bias`` (their counts change inside the draft), a thinking budget (a forced end
+token inside the draft). Those requests decode one token per
 step, as vLLM does for several of them.
 
 k is ``num_speculative_tokens`` every step, or with ``speculative_adaptive`` (throughput
@@ -58,7 +59,7 @@ def speculates(req: Request) -> bool:
     """Whether a request may carry drafts (see the module's docstring for why not)."""
     p = req.params
     return (req.grammar is None and p.structured_outputs is None and p.logprobs is None
-            and not p.adjusts_logits)
+            and not p.adjusts_logits and p.thinking is None)
 
 
 class SpecDecoder:

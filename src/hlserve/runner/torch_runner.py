@@ -272,6 +272,7 @@ class TorchRunner(Runner):
                     logits[i, [b for b in banned if b < logits.shape[1]]] = -float("inf")
         # logit_bias and penalties, greedy rows included (as vLLM); no work when none asks
         self.adjuster.apply(logits, reqs)
+        force_thinking_end(logits, reqs)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not random_rows:
@@ -314,6 +315,20 @@ class TorchRunner(Runner):
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
         self.adjuster.release(request_id)
+
+
+def force_thinking_end(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """A request past its thinking budget (``params.thinking``) emits the section's end
+    token: its row keeps only that token (set to 0, so a grammar's or a bias's -inf cannot
+    leave the row empty). After the penalties, as vLLM forces it."""
+    for i, r in enumerate(reqs):
+        if r.thinking is None:
+            continue
+        r.thinking.sync(r.output_token_ids)
+        token = r.thinking.forced()
+        if token is not None and token < logits.shape[1]:
+            logits[i].fill_(-float("inf"))
+            logits[i, token] = 0.0
 
 
 def _token_logprobs(raw: torch.Tensor, reqs: list[Request], sampled: list[int]

@@ -8,6 +8,7 @@ request that names none is the engine's ``--default-request-class``.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,9 @@ DEFAULT_REQUEST_PREFILL_WINDOW = 8192
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
+# stored responses of /v1/responses (server/response_store.py): count and JSON bytes
+DEFAULT_RESPONSES_STORE_MAX = 1000
+DEFAULT_RESPONSES_STORE_MAX_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,14 @@ class ServerSettings:
     # tool_choice "auto" (the default when tools are sent) is allowed at all
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # vLLM's --reasoning-config: the strings that open a reasoning section and that are
+    # forced to end it under thinking_token_budget; None: the reasoning parser's
+    reasoning_start_str: str | None = None
+    reasoning_end_str: str | None = None
     enable_auto_tool_choice: bool = False
+    # the bounds of the stored responses (previous_response_id); 0 responses: none stored
+    responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX
+    responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
 
 
 def _cap_or_none(text: str) -> int | None:
@@ -79,6 +90,30 @@ def _cap_or_none(text: str) -> int | None:
         return parse_cap(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+def _reasoning_config(text: str) -> dict[str, str]:
+    """vLLM's ``--reasoning-config`` JSON, of the keys hlserve reads."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict) or set(obj) - set(REASONING_CONFIG_KEYS) or not all(
+            isinstance(v, str) and v for v in obj.values()):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object with non-empty strings for {' / '.join(REASONING_CONFIG_KEYS)}"
+            f", got {text!r}")
+    return obj
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _positive(kind: type):
@@ -160,6 +195,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server (default: info)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_agent_args(g)
+
+
+def add_agent_args(g: argparse._ArgumentGroup) -> None:
+    """What agents use: tool calls, reasoning, stored responses."""
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 "
                         "<tool_call>{json}</tool_call>), llama3_json (Llama 3 JSON), "
@@ -168,8 +208,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="put the model's <think>...</think> text into reasoning_content: "
                         "qwen3 or deepseek_r1 (vLLM's names)")
+    g.add_argument("--reasoning-config", type=_reasoning_config, default={},
+                   metavar="JSON", help="vLLM's: {\"reasoning_start_str\": ..., "
+                   "\"reasoning_end_str\": ...}, the strings of a reasoning section for "
+                   "thinking_token_budget (the end string is what is forced, e.g. a closing "
+                   "phrase and </think>); default: the reasoning parser's <think> / </think>")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto' (needs --tool-call-parser), as vLLM")
+    g.add_argument("--responses-store-max", type=_non_negative,
+                   default=DEFAULT_RESPONSES_STORE_MAX,
+                   help="keep at most this many /v1/responses responses for "
+                        "previous_response_id, least recently used evicted first; 0: store "
+                        f"none (default: {DEFAULT_RESPONSES_STORE_MAX})")
+    g.add_argument("--responses-store-max-bytes", type=_positive(int),
+                   default=DEFAULT_RESPONSES_STORE_MAX_BYTES,
+                   help="and at most this many bytes of them (their JSON, conversations "
+                        f"included) (default: {DEFAULT_RESPONSES_STORE_MAX_BYTES})")
 
 
 def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
@@ -199,5 +253,9 @@ def server_settings(args: argparse.Namespace, model: str) -> ServerSettings:
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        reasoning_start_str=args.reasoning_config.get("reasoning_start_str"),
+        reasoning_end_str=args.reasoning_config.get("reasoning_end_str"),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store_max=args.responses_store_max,
+        responses_store_max_bytes=args.responses_store_max_bytes,
     )

@@ -44,7 +44,22 @@ def sampling(st: ServerState, req: Any, n_prompt: int) -> SamplingParams:
             raise context_length_error(st.max_model_len, n_prompt, requested)
         max_tokens = requested
     check_logprob_volume(req, max_tokens)
-    return req.sampling_params(max_tokens)
+    return with_thinking_budget(st, req, req.sampling_params(max_tokens))
+
+
+def with_thinking_budget(st: ServerState, req: Any, params: SamplingParams) -> SamplingParams:
+    """vLLM's ``thinking_token_budget`` (-1: unlimited): the end of a reasoning section is
+    forced after that many tokens in it. As vLLM, only with a reasoning parser, whose
+    ``<think>`` / ``</think>`` mark the section (or ``--reasoning-config``'s strings)."""
+    budget = getattr(req, "thinking_token_budget", None)
+    if budget is None or budget == -1:
+        return params
+    if st.thinking_markers is None:
+        raise ApiError(400, "thinking_token_budget is set but reasoning_config is not "
+                       "configured. Please set --reasoning-parser and/or --reasoning-config "
+                       "to use thinking_token_budget.", param="thinking_token_budget",
+                       code="invalid_value")
+    return replace(params, thinking=replace(st.thinking_markers, budget=budget))
 
 
 def chat_reasoning(st: ServerState, req: Any) -> ReasoningParser | None:
@@ -75,9 +90,10 @@ async def constrain(st: ServerState, req: Any, params: list[SamplingParams], cli
         params = [replace(p, skip_special_tokens=False) for p in params]
     check_constrained(req, spec, "an output constraint")
     if (tool_spec := plan.constraint(functions)) is not None:
-        if spec is not None:
-            raise ApiError(400, f"tool_choice {plan.mode} cannot be combined with another "
-                           "output constraint", param="tool_choice", code="invalid_value")
+        # a forced call outranks response_format / structured_outputs, as in vLLM (its tool
+        # parser's adjust_request): the answer is a call, whose shape the tools fix. Agents
+        # send both: the OpenAI Agents SDK sends its output_type's format on every turn,
+        # tool_choice "required" included
         check_constrained(req, tool_spec, f"tool_choice {plan.mode}")
         spec, param = tool_spec, "tools"
     if spec is None:

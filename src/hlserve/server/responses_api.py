@@ -9,15 +9,22 @@ tool parsers and reasoning parser that chat completions use. The chat body that 
 is reshaped into a ``response`` object: a ``reasoning`` item, a ``message`` item with its
 ``output_text`` and one ``function_call`` item per parsed call.
 
+Responses are stored (``store``, true by default as OpenAI's) in the bounded, per-tenant
+store of server/response_store.py; ``previous_response_id`` puts the stored conversation
+between this request's instructions and its input. ``GET /v1/responses/{id}`` answers a
+stored response, ``DELETE`` forgets it, and ``POST /v1/responses/{id}/cancel`` is vLLM's
+400 (no response here runs in the background).
+
 Refused with a 400 rather than dropped: built-in tools (web search, file search, computer
-use, code interpreter, MCP...: nothing here can run them), ``previous_response_id`` and
-``store: true`` (responses are not stored: an agent resends its history as ``input``),
-``background``, ``include``, ``truncation: "auto"``, non-text input parts.
+use, code interpreter, MCP...: nothing here can run them), ``background``, ``include``,
+``truncation: "auto"``, non-text input parts.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from fastapi import Request
@@ -53,17 +60,25 @@ from hlserve.server.protocol import (
     now_s,
     validation_error,
 )
+from hlserve.server.response_store import (
+    StoredResponse,
+    output_messages,
+    previous_not_found,
+    response_not_found,
+    tenant_of,
+)
 from hlserve.server.responses import chat_body
 from hlserve.server.responses_stream import (
     ResponseEvents,
     final_status,
     function_call_item,
+    item_id,
     message_item,
     reasoning_item,
     response_stream,
     response_usage,
 )
-from hlserve.server.state import state_of
+from hlserve.server.state import ServerState, state_of
 from hlserve.server.streaming import ChatChunks, EngineStreamResponse
 
 # the Responses API's hosted tools: a model served here cannot call any of them
@@ -107,12 +122,6 @@ class ResponsesRequest(_Strict):
     cache_salt: str | None = None
 
     def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise _refuse("previous_response_id is not supported: this server stores no "
-                          "responses; send the whole conversation as input", "previous_response_id")
-        if self.store:
-            raise _refuse("store=true is not supported: this server stores no responses",
-                          "store")
         if self.background:
             raise _refuse("background responses are not supported", "background")
         if self.include:
@@ -176,15 +185,26 @@ def _item_message(item: dict[str, Any], where: str, messages: list[dict[str, Any
                       "function_call_output and reasoning items", "input")
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's ``input`` items as chat messages (a list of their own: a call that
+    follows a stored turn's calls never joins that stored message)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(req.input):
+        _item_message(item, f"input[{i}]", messages)
+    return messages
+
+
+def chat_messages(req: ResponsesRequest, history: tuple[dict[str, Any], ...] = (),
+                  new: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The chat the request means: its instructions, the stored conversation it continues
+    (``history``), then its input (``new``: :func:`input_messages`, if already built)."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        return messages
-    for i, item in enumerate(req.input):
-        _item_message(item, f"input[{i}]", messages)
+    messages += history
+    messages += input_messages(req) if new is None else new
     if not messages:
         raise _refuse("input must not be empty", "input", "invalid_value")
     return messages
@@ -254,11 +274,11 @@ def reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     return reasoning.get("effort")
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses request means; built through chat's own model so that
-    every field is checked as chat checks it."""
+def to_chat(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request a Responses request means, over ``messages`` (:func:`chat_messages`);
+    built through chat's own model so that every field is checked as chat checks it."""
     body: dict[str, Any] = {
-        "model": req.model, "messages": chat_messages(req), "stream": req.stream,
+        "model": req.model, "messages": messages, "stream": req.stream,
         "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
@@ -280,7 +300,39 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 # ---- the handler ------------------------------------------------------------------------------
 
 
-async def read_responses_request(request: Request) -> tuple[ResponsesRequest, Inbound]:
+@dataclass(frozen=True)
+class Turn:
+    """What a response adds to its chain once it is done: the stored response it continues
+    (``previous``), its own input as chat messages, and where it is kept (``tenant``;
+    ``store``: whether it is)."""
+
+    tenant: str | None
+    previous: StoredResponse | None
+    new_messages: list[dict[str, Any]]
+    store: bool
+
+    def keep(self, st: ServerState, response: dict[str, Any]) -> None:
+        if self.store:
+            st.responses.put(self.tenant, response, self.previous,
+                             [*self.new_messages, *output_messages(response["output"])])
+
+
+def continued_turn(request: Request, st: ServerState, req: ResponsesRequest) -> Turn:
+    """The stored conversation ``previous_response_id`` names (400 if this tenant holds no
+    such response) and whether this response is to be stored."""
+    tenant = tenant_of(request)
+    previous = None
+    if req.previous_response_id is not None:
+        previous = st.responses.get(tenant, req.previous_response_id)
+        if previous is None:
+            raise previous_not_found(req.previous_response_id)
+    # store off (--responses-store-max 0): store=true is quietly false, as vLLM's default
+    store = req.store is not False and st.responses.enabled
+    return Turn(tenant, previous, input_messages(req), store)
+
+
+async def read_responses_request(request: Request
+                                 ) -> tuple[ResponsesRequest, Inbound, Turn]:
     st = state_of(request)
     arrival = st.clock()
     body = await read_body(request, st.settings.max_request_body_bytes)
@@ -290,39 +342,42 @@ async def read_responses_request(request: Request) -> tuple[ResponsesRequest, In
         else parse(body, ResponsesRequest)
     check_model(st, req.model)
     req.check_supported()
-    chat = to_chat(req)
+    turn = continued_turn(request, st, req)
+    history = turn.previous.conversation if turn.previous is not None else ()
+    chat = to_chat(req, chat_messages(req, history, turn.new_messages))
     chat.check_supported()
     check_response_format(chat.response_format)
     check_tools(chat.tools, chat.tool_choice)
     chat = st.sampling_defaults.apply(chat)
-    return req, Inbound(chat, caller_of(request, st, chat), arrival, offload, client)
+    return req, Inbound(chat, caller_of(request, st, chat), arrival, offload, client), turn
 
 
 async def create_response(request: Request) -> Response:
     st = state_of(request)
-    req, inbound = await read_responses_request(request)
+    req, inbound, turn = await read_responses_request(request)
     chat = inbound.req
     ids = await encode_chat(st, chat, inbound.offload, inbound.client)
     params = (await constrain(st, chat, [sampling(st, chat, len(ids))], inbound.client))[0]
-    rid = new_id("resp")
+    rid = item_id("resp")
     group = await submit(st, rid, [ids], [params], inbound)
     model = chat.model or st.model_name
-    shell = response_shell(rid, model, req, params.max_tokens)
+    shell = response_shell(rid, model, req, turn.store)
     if req.stream:
         fmt = ChatChunks(rid, model, False, st.tokenizer)
         fmt.tool_plan = chat_tool_plan(st, chat)[0]
         fmt.reasoning = chat_reasoning(st, chat)
-        events = ResponseEvents(shell)
+        events = ResponseEvents(shell, on_final=partial(turn.keep, st))
         return EngineStreamResponse(response_stream(group, fmt, chat.stream_options, events),
                                     group.abort_unfinished)
     outs = await collect(request, group)
     if outs is None:
         return Response(status_code=499)
-    return JSONResponse(finish_response(shell, chat_body(st, rid, model, chat, outs)))
+    response = finish_response(shell, chat_body(st, rid, model, chat, outs))
+    turn.keep(st, response)
+    return JSONResponse(response)
 
 
-def response_shell(rid: str, model: str, req: ResponsesRequest, max_tokens: int
-                   ) -> dict[str, Any]:
+def response_shell(rid: str, model: str, req: ResponsesRequest, store: bool) -> dict[str, Any]:
     """The ``response`` object before any output: what ``response.created`` carries."""
     return {"id": rid, "object": "response", "created_at": now_s(), "status": "in_progress",
             "model": model, "output": [], "instructions": req.instructions,
@@ -330,9 +385,39 @@ def response_shell(rid: str, model: str, req: ResponsesRequest, max_tokens: int
             "top_p": req.top_p, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning,
-            "previous_response_id": None, "store": False, "truncation": "disabled",
-            "metadata": req.metadata, "error": None, "incomplete_details": None,
-            "usage": None, "user": req.user}
+            "previous_response_id": req.previous_response_id, "store": store,
+            "truncation": "disabled", "metadata": req.metadata, "error": None,
+            "incomplete_details": None, "usage": None, "user": req.user}
+
+
+# ---- stored responses: GET, DELETE, cancel ----------------------------------------------------
+
+
+async def get_response(request: Request, response_id: str) -> JSONResponse:
+    """A stored response as it was answered (vLLM's 404 for one this tenant does not hold).
+    ``stream`` / ``starting_after`` replay a background response's events: none here."""
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise _refuse("stream=true replays a background response's events; this server runs "
+                      "no background responses", "stream")
+    entry = state_of(request).responses.get(tenant_of(request), response_id)
+    if entry is None:
+        raise response_not_found(response_id)
+    return JSONResponse(entry.response)
+
+
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    """OpenAI's ``DELETE /v1/responses/{id}``: the response is forgotten; a continuation of
+    it is then a 400."""
+    if not state_of(request).responses.delete(tenant_of(request), response_id):
+        raise response_not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel_response(request: Request, response_id: str) -> JSONResponse:
+    """vLLM cancels only a background response; every response here is synchronous."""
+    if state_of(request).responses.get(tenant_of(request), response_id) is None:
+        raise response_not_found(response_id)
+    raise _refuse("Cannot cancel a synchronous response.", "response_id", "invalid_value")
 
 
 def finish_response(shell: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -342,11 +427,11 @@ def finish_response(shell: dict[str, Any], body: dict[str, Any]) -> dict[str, An
     items: list[dict[str, Any]] = []
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     if msg.get("reasoning_content"):
-        items.append(reasoning_item(new_id("rs"), msg["reasoning_content"]))
+        items.append(reasoning_item(item_id("rs"), msg["reasoning_content"]))
     if msg.get("content"):
-        items.append(message_item(new_id("msg"), msg["content"], status))
+        items.append(message_item(item_id("msg"), msg["content"], status))
     for call in msg.get("tool_calls") or ():
-        items.append(function_call_item(new_id("fc"), call["id"], call["function"]["name"],
+        items.append(function_call_item(item_id("fc"), call["id"], call["function"]["name"],
                                         call["function"]["arguments"], status))
     return {**shell, **final_status(choice["finish_reason"]), "output": items,
             "usage": response_usage(body["usage"])}

@@ -14,7 +14,8 @@ its ``sequence_number``; there is no ``[DONE]`` (OpenAI sends none on this endpo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,12 @@ from hlserve.server.protocol import new_id
 from hlserve.server.streaming import SSE_DONE, ChatChunks, sse, stream
 
 # ---- output items -----------------------------------------------------------------------------
+
+
+def item_id(prefix: str) -> str:
+    """An id of the Responses API: ``resp_``, ``msg_``, ``fc_``, ``rs_`` and hex, OpenAI's
+    and vLLM's shape (chat's ids are ``chatcmpl-...``)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
@@ -70,6 +77,8 @@ class ResponseEvents:
     seq: int = 0
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    # called with the finished response (completed or incomplete): where it is stored
+    on_final: Callable[[dict[str, Any]], None] | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -121,7 +130,7 @@ class ResponseEvents:
 
     def reasoning(self, text: str) -> list[str]:
         out = [] if self.open_key == "reasoning" else \
-            self._open("reasoning", reasoning_item(new_id("rs"), ""))
+            self._open("reasoning", reasoning_item(item_id("rs"), ""))
         item = self.items[-1]
         item["content"][0]["text"] += text
         out.append(self.event("response.reasoning_text.delta", item_id=item["id"],
@@ -130,7 +139,7 @@ class ResponseEvents:
 
     def text(self, text: str) -> list[str]:
         out = [] if self.open_key == "message" else \
-            self._open("message", message_item(new_id("msg"), None, "in_progress"))
+            self._open("message", message_item(item_id("msg"), None, "in_progress"))
         item = self.items[-1]
         item["content"][0]["text"] += text
         out.append(self.event("response.output_text.delta", item_id=item["id"],
@@ -143,7 +152,7 @@ class ResponseEvents:
         fn = tc.get("function") or {}
         out = []
         if self.open_key != key:
-            out = self._open(key, function_call_item(new_id("fc"), tc.get("id") or new_id("call"),
+            out = self._open(key, function_call_item(item_id("fc"), tc.get("id") or new_id("call"),
                                                      fn.get("name") or "", "", "in_progress"))
         item = self.items[-1]
         if args := fn.get("arguments"):
@@ -173,6 +182,8 @@ class ResponseEvents:
         final = {**self.shell, **final_status(self.finish_reason), "output": self.items,
                  "usage": response_usage(self.usage)}
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        if self.on_final is not None:
+            self.on_final(final)
         return [*out, self.event(kind, response=final)]
 
     def failed(self, error: dict[str, Any]) -> list[str]:

@@ -1,6 +1,7 @@
 """The endpoints: one handler per route, and :func:`add_routes`, which lists them all.
 
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` with
+``GET|DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
 (server/responses_api.py), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (and their ``/v1/``
 aliases), ``GET|HEAD /health``, ``GET|POST|HEAD /ping``, ``GET /metrics`` and
@@ -54,7 +55,13 @@ from hlserve.server.protocol import (
     new_id,
 )
 from hlserve.server.responses import chat_body, completion_body, render_json
-from hlserve.server.responses_api import ResponsesRequest, create_response
+from hlserve.server.responses_api import (
+    ResponsesRequest,
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+)
 from hlserve.server.state import ServerState, hlserve_version, state_of
 from hlserve.server.streaming import (
     ChatChunks,
@@ -236,6 +243,9 @@ def add_routes(app: FastAPI) -> None:
                       openapi_extra=json_body(ChatCompletionRequest))
     app.add_api_route("/v1/responses", create_response, methods=["POST"],
                       openapi_extra=json_body(ResponsesRequest))
+    app.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])
     for prefix in ("", "/v1"):  # vLLM serves them at the root; /v1 for clients that prefix
         app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"],
                           name=f"tokenize{prefix.replace('/', '_')}",

@@ -1,7 +1,8 @@
 """What every handler reads: :class:`ServerState`, one per app (``app.state.hlserve``).
 
 It holds the engine and the bridge to its thread, the settings, the API keys, the names
-the model is served under and the sampling defaults of its ``generation_config.json``;
+the model is served under, the sampling defaults of its ``generation_config.json`` and the
+stored responses of ``/v1/responses``;
 handlers are module-level functions that find it with :func:`state_of`.
 """
 
@@ -21,6 +22,11 @@ from hlserve.server.defaults import SamplingDefaults
 from hlserve.server.metrics import ServerMetrics
 from hlserve.server.offload import Offload, OffloadLimits
 from hlserve.server.protocol import now_s
+from hlserve.server.reasoning import END as THINK_END
+from hlserve.server.reasoning import START as THINK_START
+from hlserve.server.response_store import ResponseStore, StoreLimits
+from hlserve.structured.thinking import ThinkingBudget
+from hlserve.tokenizer import Tokenizer
 
 
 def hlserve_version() -> str:
@@ -59,6 +65,36 @@ class ServerState:
         self.created = now_s()
         # generation_config.json's sampling defaults, for fields a request leaves out
         self.sampling_defaults = SamplingDefaults.load(model_path)
+        # the token ids that open and close a reasoning section (thinking_token_budget)
+        self.thinking_markers = thinking_markers(self.tokenizer, settings)
+        # stored responses of /v1/responses, what previous_response_id continues from
+        self.responses = ResponseStore(StoreLimits(settings.responses_store_max,
+                                                   settings.responses_store_max_bytes))
+
+
+def thinking_markers(tokenizer: Tokenizer | None, settings: ServerSettings
+                     ) -> ThinkingBudget | None:
+    """The token ids of a reasoning section, as vLLM's reasoning config derives them: the
+    reasoning parser's ``<think>`` / ``</think>``, or ``--reasoning-config``'s strings (its
+    end string is what is forced; the parser's end is still how the model closes one). None
+    when neither names both (thinking_token_budget is then a 400). The budget is a request's:
+    0 here."""
+    if tokenizer is None:
+        return None
+    parser = settings.reasoning_parser is not None
+    start = settings.reasoning_start_str or (THINK_START if parser else None)
+    end = settings.reasoning_end_str or (THINK_END if parser else None)
+    if start is None or end is None:
+        return None
+    natural = THINK_END if parser else end
+
+    def ids(text: str) -> tuple[int, ...]:
+        out = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if not out:
+            raise ValueError(f"--reasoning-config: {text!r} is no tokens of this tokenizer")
+        return out
+
+    return ThinkingBudget(0, ids(start), ids(end), ids(natural))
 
 
 def served_name(model_path: str) -> str:

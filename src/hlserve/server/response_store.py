@@ -1,0 +1,161 @@
+"""Stored responses of ``POST /v1/responses``: what ``previous_response_id`` continues from.
+
+A response created with ``store`` (true unless the request says false, as OpenAI's) is kept
+with the conversation it ends: the chat messages of every earlier turn of its chain, its own
+input items as messages and its output as the assistant turn (its ``message`` text and its
+``function_call`` items; reasoning is not shown to the model again, as chat drops it). The
+request's ``instructions`` are not part of it: OpenAI does not carry them over to a
+continuation, which sends its own.
+
+The store is bounded in count (``--responses-store-max``) and in bytes
+(``--responses-store-max-bytes``, the JSON size of the response and of its conversation);
+past either bound the least recently used response is evicted (a lookup or a continuation
+uses it). A response whose own size is over the byte bound is not kept. Entries are scoped
+by tenant (the API key's id; one shared tenant without keys): another tenant's id is
+answered as unknown, so one tenant can neither read nor continue nor tell apart another's
+responses. The store lives in the server's memory only: a restart forgets it.
+
+vLLM keeps its responses only with ``VLLM_ENABLE_RESPONSES_API_STORE=1``, unbounded; without
+it ``store`` is silently false and every ``previous_response_id`` is a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from hlserve.server.args import DEFAULT_RESPONSES_STORE_MAX, DEFAULT_RESPONSES_STORE_MAX_BYTES
+from hlserve.server.auth import KEY_SCOPE, ApiKey
+from hlserve.server.protocol import ApiError
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    max_count: int = DEFAULT_RESPONSES_STORE_MAX  # 0: nothing is stored
+    max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """One stored response: the object as answered, and the conversation through it."""
+
+    response: dict[str, Any]
+    conversation: tuple[dict[str, Any], ...]  # chat messages, without the instructions
+    conversation_bytes: int  # JSON size of ``conversation``, counted turn by turn
+    size: int  # what the byte bound counts: the conversation and the response object
+
+
+def json_size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+class ResponseStore:
+    """An LRU of stored responses keyed by (tenant, response id), bounded in count and bytes.
+
+    Handlers call it from the event loop; the lock only keeps it whole should anything else
+    ever do. A conversation shares its earlier turns' message dicts with the response it
+    continues (they are never changed), so the byte bound over-counts a chain's memory: it
+    is an upper bound, not an estimate.
+    """
+
+    def __init__(self, limits: StoreLimits) -> None:
+        self.limits = limits
+        self._entries: OrderedDict[tuple[str | None, str], StoredResponse] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.limits.max_count > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def get(self, tenant: str | None, response_id: str) -> StoredResponse | None:
+        """The stored response, now the most recently used; None if unknown to this tenant."""
+        with self._lock:
+            entry = self._entries.get((tenant, response_id))
+            if entry is not None:
+                self._entries.move_to_end((tenant, response_id))
+            return entry
+
+    def put(self, tenant: str | None, response: dict[str, Any],
+            history: StoredResponse | None, new_messages: list[dict[str, Any]]) -> bool:
+        """Keep ``response``, whose conversation is ``history``'s and then ``new_messages``;
+        then evict down to the bounds. False when it is not kept (store off, or too big)."""
+        if not self.enabled:
+            return False
+        earlier = history.conversation if history is not None else ()
+        conv_bytes = (history.conversation_bytes if history is not None else 0) + \
+            json_size(new_messages)
+        entry = StoredResponse(response, (*earlier, *new_messages), conv_bytes,
+                               conv_bytes + json_size(response))
+        if entry.size > self.limits.max_bytes:
+            return False
+        key = (tenant, response["id"])
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.size
+            self._entries[key] = entry
+            self._bytes += entry.size
+            self._evict()
+        return True
+
+    def delete(self, tenant: str | None, response_id: str) -> bool:
+        with self._lock:
+            entry = self._entries.pop((tenant, response_id), None)
+            if entry is None:
+                return False
+            self._bytes -= entry.size
+            return True
+
+    def _evict(self) -> None:
+        while len(self._entries) > self.limits.max_count or self._bytes > self.limits.max_bytes:
+            _, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.size
+            self.evictions += 1
+
+
+def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the assistant turn chat would have: its text and its
+    tool calls in one message (reasoning items are dropped, as chat drops reasoning)."""
+    text = "".join(part.get("text", "") for item in items if item["type"] == "message"
+                   for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in items if item["type"] == "function_call"]
+    if not text and not calls:
+        return []
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def tenant_of(request: Request) -> str | None:
+    """Whose responses a request may see: its API key's id; None (one tenant) without keys."""
+    key: ApiKey | None = request.scope.get(KEY_SCOPE)
+    return key.id if key is not None else None
+
+
+def previous_not_found(response_id: str) -> ApiError:
+    """OpenAI's answer to a ``previous_response_id`` it does not hold (unknown, evicted,
+    deleted, another tenant's, or from a request with ``store: false``)."""
+    return ApiError(400, f"Previous response with id '{response_id}' not found.",
+                    param="previous_response_id", code="previous_response_not_found")
+
+
+def response_not_found(response_id: str) -> ApiError:
+    """vLLM's answer to ``GET /v1/responses/{id}`` of an id it does not hold."""
+    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
