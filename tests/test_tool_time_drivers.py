@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hlserve.coding_workload import CodingWorkload
 from hlserve.driver.closed_loop import run_agent_sessions, run_closed_loop
 from hlserve.driver.records import RequestRecord, headline, summarize
 from hlserve.llm import build_engine
@@ -112,6 +113,29 @@ def test_seeded_tool_times_reproduce(spec: str) -> None:
     other_gaps = [c.start - p.end for recs in rounds_of(other.records).values()
                   for p, c in itertools.pairwise(recs)]
     assert other_gaps != gaps
+
+
+class _Chat:
+    """A stand-in chat codec: the coding workload's tasks are rendered, never a model's."""
+
+    def encode_chat(self, messages, **_: object) -> list[int]:
+        return [len(m["content"]) % 97 for m in messages]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_coding_sessions_draw_tool_time_apart_from_their_tasks() -> None:
+    """The coding workload takes the agent workload's tool time: drawn per session from its
+    own generator (reproducible, different per session), never moving a task."""
+    timed = CodingWorkload(sessions=3, rounds=3, seed=2, tool_time=parse_tool_time("exp:2"))
+    plain = CodingWorkload(sessions=3, rounds=3, seed=2)
+    draws = [[s.tool_pause() for _ in range(3)] for s in timed.sessions_list(_Chat())]
+    again = [[s.tool_pause() for _ in range(3)] for s in timed.sessions_list(_Chat())]
+    assert draws == again and len({d for row in draws for d in row}) == 9 and min(map(min, draws)) > 0
+    assert all(s.tool_pause() == 0.0 for s in plain.sessions_list(_Chat()))
+    assert [timed.task(i, r).prompt for i in range(3) for r in range(3)] == \
+        [plain.task(i, r).prompt for i in range(3) for r in range(3)]
 
 
 def test_session_completion_percentiles_on_a_known_set() -> None:
