@@ -1,5 +1,5 @@
-"""The OpenAI Agents SDK's tool loop against a real ``hlserve serve`` of the tiny model,
-through both of its model classes: ``OpenAIResponsesModel`` (``/v1/responses``, chained by
+"""The OpenAI Agents SDK's tool loop against a real ``hlserve serve`` of the tiny model and of
+the real one (SmolLM2-135M-Instruct, its own chat template), through both of its model classes: ``OpenAIResponsesModel`` (``/v1/responses``, chained by
 ``previous_response_id`` from the server's store) and ``OpenAIChatCompletionsModel``
 (``/v1/chat/completions``). The random model would not pick a tool by itself, so the first
 turn forces one (``tool_choice="required"``: the call's arguments are grammar-constrained to
@@ -31,6 +31,7 @@ from agents import (
 from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
 from pydantic import BaseModel
 
+from hlserve.models.resolve import resolve_model
 from hlserve.server.launch import ServerProcess
 
 MODEL = "tiny"
@@ -47,11 +48,14 @@ class Forecast(BaseModel):
     feel: Literal["warm", "mild", "cold"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["tiny", "smollm2-135m"])
+def server(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory):
     set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
     tmp = tmp_path_factory.mktemp("agents_sdk")
-    with ServerProcess(tiny_model_dirs["qwen2"], ARGS, log_path=tmp / "server.log") as srv:
+    path = (tiny_model_dirs["qwen2"] if request.param == "tiny"
+            else resolve_model(request.param, quiet=True))
+    with ServerProcess(path, ARGS, log_path=tmp / "server.log") as srv:
         yield srv
         assert "Traceback" not in srv.log_text(), srv.log_text()[-4000:]
 

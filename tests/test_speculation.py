@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from hlserve.engine.spec_decode import ContextView
 from hlserve.engine.speculation import (
     CountTrie,
+    NgramIndex,
     NgramSpeculator,
     SpeculativeConfig,
     SuffixSpeculator,
@@ -53,6 +55,40 @@ def test_ngram_takes_the_longest_match_and_its_most_recent_occurrence() -> None:
     assert ngram_propose(ctx, 3, 4, 5) == []  # no 4-gram repeats
     assert ngram_propose([7, 7, 7], 5, 1, 3) == [7]  # the follow is cut at the context's end
     assert ngram_propose(ctx, 0, 1, 3) == []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=60), st.data())
+def test_the_index_proposes_what_the_scan_does(ctx: list[int], data: st.DataObject) -> None:
+    """The engine's incremental index against the definition, on small alphabets (many
+    repeats), the context grown in pieces with proposals asked in between."""
+    nmin = data.draw(st.integers(1, 3))
+    nmax = data.draw(st.integers(nmin, 6))
+    k = data.draw(st.integers(0, 4))
+    index = NgramIndex(nmin)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ctx)), max_size=4)))
+    for end in [*cuts, len(ctx)]:
+        index.extend(ctx[:end])
+        assert index.propose(k, nmax) == ngram_propose(ctx[:end], k, nmin, nmax)
+    spec = NgramSpeculator(nmin, nmax)
+    assert spec.propose("r", ctx, k) == ngram_propose(ctx, k, nmin, nmax)
+    spec.finish("r")
+    assert spec._index == {}  # nothing kept after a request ends
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=30), st.data())
+def test_context_view_reads_as_the_joined_list(tokens: list[int], data: st.DataObject) -> None:
+    cut = data.draw(st.integers(0, len(tokens)))
+    view, joined = ContextView(tokens[:cut], tokens[cut:]), tokens
+    assert len(view) == len(joined) and list(view) == joined
+    a = data.draw(st.integers(-35, 35) | st.none())
+    b = data.draw(st.integers(-35, 35) | st.none())
+    step = data.draw(st.sampled_from([None, 1, 2, -1]))
+    assert view[a:b:step] == joined[a:b:step]
+    if joined:
+        i = data.draw(st.integers(-len(joined), len(joined) - 1))
+        assert view[i] == joined[i]
 
 
 def _counts(node: _Node, prefix: tuple[int, ...] = ()) -> dict[tuple[int, ...], int]:

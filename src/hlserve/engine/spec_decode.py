@@ -24,7 +24,9 @@ before the drafts, and :meth:`SpecDecoder.observe_step` with the step's time.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from hlserve.engine.spec_adaptive import AdaptiveK
 from hlserve.engine.speculation import SpeculativeConfig, Speculator, make_speculator
@@ -60,6 +62,44 @@ def speculates(req: Request) -> bool:
     p = req.params
     return (req.grammar is None and p.structured_outputs is None and p.logprobs is None
             and not p.adjusts_logits and p.thinking is None)
+
+
+class ContextView(Sequence[int]):
+    """A request's prompt and output read as one sequence without joining them: a draft is
+    asked for every decode step, and ``all_token_ids`` copies the whole context each time
+    (the speculators read only what was appended, or the last few tokens)."""
+
+    __slots__ = ("output", "prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return (self.prompt + self.output)[i]
+            if stop <= start:
+                return []
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n:stop - n]
+            return self.prompt[start:] + self.output[:stop - n]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.prompt[i] if i < n else self.output[i - n]
 
 
 class SpecDecoder:
@@ -121,7 +161,7 @@ class SpecDecoder:
         k = int(min(self.k if probing else self._step_k, limit, left - 1))
         if k <= 0:
             return []
-        context = req.all_token_ids
+        context = ContextView(req.prompt_token_ids, req.output_token_ids)
         self.speculator.observe(req.request_id, context, len(req.prompt_token_ids))
         draft = self.speculator.propose(req.request_id, context, k)[:k]
         if draft and probing and self.adaptive is not None:

@@ -104,17 +104,99 @@ class Speculator(abc.ABC):
 
 @dataclass
 class NgramSpeculator(Speculator):
-    """Prompt lookup: vLLM's ``ngram`` method over the request's own context."""
+    """Prompt lookup: vLLM's ``ngram`` method over the request's own context, each request's
+    context indexed as it grows (:class:`NgramIndex`): a proposal costs the occurrences of
+    the last ``prompt_lookup_min`` tokens, not a scan of the context (a scan is ~0.7 ms per
+    1K tokens of context per request per step in Python: 64 requests at 4K, 180 ms a step)."""
 
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    _index: dict[str, NgramIndex] = field(default_factory=dict, repr=False)
+
+    def observe(self, request_id: str, context: Sequence[int],
+                prompt_len: int | None = None) -> None:
+        index = self._index.get(request_id)
+        if index is None:
+            index = self._index[request_id] = NgramIndex(self.prompt_lookup_min)
+        index.extend(context)
 
     def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
-        return ngram_propose(context, k, self.prompt_lookup_min, self.prompt_lookup_max)
+        self.observe(request_id, context)
+        return self._index[request_id].propose(k, self.prompt_lookup_max)
+
+    def finish(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+class NgramIndex:
+    """One context's ``nmin``-grams, each with the positions where it ends, in order; only
+    the tokens appended since the last call are read. :meth:`propose` gives what
+    :func:`ngram_propose` gives (the longest match in ``nmin..nmax``, its most recent earlier
+    occurrence), from the occurrences of the context's last ``nmin`` tokens: a match of n
+    tokens ends with them, so each occurrence is extended backwards and the longest (then the
+    latest) wins."""
+
+    def __init__(self, nmin: int) -> None:
+        self.nmin = nmin
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], int | list[int]] = {}
+        self.indexed = nmin - 2  # the last end position indexed
+
+    def extend(self, context: Sequence[int]) -> None:
+        """Read what was appended to the context since the last call (a context only grows;
+        one that shrank is indexed afresh)."""
+        if len(context) < len(self.tokens):
+            self.__init__(self.nmin)  # type: ignore[misc]
+        if len(context) > len(self.tokens):
+            self.tokens.extend(context[len(self.tokens):])
+
+    def _index_to(self, last: int) -> None:
+        """Index the n-grams ending at positions up to ``last``: ~1 us a token, once (a
+        position seen once is an int, a list only from its second occurrence: 4 MB per 32K
+        tokens, not 6)."""
+        t, n, ends = self.tokens, self.nmin, self.ends
+        first = self.indexed + 1
+        if last < first:
+            return
+        grams = zip(*(t[first - n + 1 + j:last + 2 - n + j] for j in range(n)))
+        for e, key in enumerate(grams, first):
+            at = ends.get(key)
+            if at is None:
+                ends[key] = e
+            elif type(at) is int:
+                ends[key] = [at, e]
+            else:
+                at.append(e)
+        self.indexed = last
+
+    def propose(self, k: int, nmax: int) -> list[int]:
+        t, n = self.tokens, self.nmin
+        size = len(t)
+        if k <= 0 or size < n + 1:
+            return []
+        # the suffix's own occurrence (ending at the last token) has nothing after it
+        self._index_to(size - 2)
+        at = self.ends.get(tuple(t[size - n:]))
+        if at is None:
+            return []
+        occurrences = [at] if type(at) is int else at
+        cap = min(nmax, size - 1)
+        best, best_end = 0, -1
+        for e in reversed(occurrences):
+            m = n  # tokens e-m+1..e equal the last m tokens
+            while m < cap and m <= e and t[e - m] == t[size - 1 - m]:
+                m += 1
+            if m > best:
+                best, best_end = m, e
+                if m == cap:
+                    break
+        return t[best_end + 1:best_end + 1 + k]
 
 
 def ngram_propose(context: Sequence[int], k: int, nmin: int, nmax: int) -> list[int]:
-    """The tokens after the most recent earlier occurrence of the longest matching suffix."""
+    """The tokens after the most recent earlier occurrence of the longest matching suffix: the
+    definition, by a scan of the context (the reference :class:`NgramIndex` is tested
+    against)."""
     tokens = list(context)
     size = len(tokens)
     if k <= 0:
