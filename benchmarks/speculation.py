@@ -130,7 +130,8 @@ def _spec_totals(engine: Any) -> dict[str, Any]:
     if s is None:
         return {}
     out = {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens,
-           "accepted_tokens": s.num_accepted_tokens, "per_pos": list(s.accepted_per_pos)}
+           "accepted_tokens": s.num_accepted_tokens, "per_pos": list(s.accepted_per_pos),
+           "drafted_per_pos": list(s.drafted_per_pos), "lookups": s.num_lookups}
     if s.adaptive is not None:
         out.update(steps_by_k=list(s.adaptive.steps_by_k), probes=s.adaptive.probes)
     return out
@@ -162,7 +163,8 @@ def _metrics(engine: Any, records: list[Any], wall: float, steps: int,
     m.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
              acceptance_rate=accepted / draft_tokens if draft_tokens else None,
              accepted_per_draft=accepted / drafts if drafts else None,
-             accepted_per_pos=g["per_pos"])
+             accepted_per_pos=g["per_pos"], drafted_per_pos=g["drafted_per_pos"],
+             lookups=g["lookups"], propose_rate=drafts / g["lookups"] if g["lookups"] else None)
     for i, n in enumerate(g["per_pos"]):
         m[f"p_accept_pos{i + 1}"] = n / drafts if drafts else None
     if "steps_by_k" in g:
@@ -201,23 +203,52 @@ def run_point(runs: Runs, workload: str, sessions: int, repeats: int, seed: int,
 
 
 def profile(rows: list[dict[str, Any]]) -> list[float] | None:
-    """P(draft token i accepted), i = 1..k, over every draft of these runs."""
-    drafts = sum(r.get("drafts") or 0 for r in rows)
+    """P(draft token i accepted | the draft reached position i), i = 1..k, over every draft of
+    these runs (a proposal may be shorter than k: the context's end, or the adaptive k)."""
     per_pos = [r["accepted_per_pos"] for r in rows if r.get("accepted_per_pos")]
-    if not drafts or not per_pos:
+    reached = [r["drafted_per_pos"] for r in rows if r.get("drafted_per_pos")]
+    if not per_pos or not reached:
         return None
-    return [sum(p[i] for p in per_pos) / drafts for i in range(len(per_pos[0]))]
+    k = len(per_pos[0])
+    tried = [sum(d[i] for d in reached) for i in range(k)]
+    return [sum(p[i] for p in per_pos) / tried[i] if tried[i] else 0.0 for i in range(k)]
+
+
+def propose_rate(rows: list[dict[str, Any]]) -> float | None:
+    """The share of lookups (a decoding request asked for a draft) that proposed one."""
+    lookups = sum(r.get("lookups") or 0 for r in rows)
+    return sum(r.get("drafts") or 0 for r in rows) / lookups if lookups else None
+
+
+def _spec_rows(points: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for p in points:
+        for arm, rows in p["runs"].items():
+            if arm != "off":
+                out.setdefault(p["workload"], {}).setdefault(arm, []).extend(rows)
+    return out
 
 
 def workload_profiles(points: list[dict[str, Any]]) -> dict[str, dict[str, list[float] | None]]:
     """The acceptance profile of each workload and speculating arm, over all its points."""
-    out: dict[str, dict[str, list[float] | None]] = {}
-    for p in points:
-        for arm, rows in p["runs"].items():
-            if arm != "off":
-                out.setdefault(p["workload"], {}).setdefault(arm, []).extend(rows)  # type: ignore[union-attr]
-    return {w: {arm: profile(rows) for arm, rows in arms.items()}  # type: ignore[arg-type]
-            for w, arms in out.items()}
+    return {w: {arm: profile(rows) for arm, rows in arms.items()}
+            for w, arms in _spec_rows(points).items()}
+
+
+def sim_profiles(points: list[dict[str, Any]], arm: str = "spec") -> dict[str, Any]:
+    """The ``spec`` arm's profile per workload in the form the simulator reads
+    (``AcceptanceProfile.load``, ``benchmarks/study_speculation.py --profiles``): acceptance
+    by position made non-increasing (a draft is accepted as a prefix) and the match rate."""
+    out: dict[str, Any] = {}
+    for w, arms in _spec_rows(points).items():
+        rows = arms.get(arm, [])
+        accept, rate = profile(rows), propose_rate(rows)
+        if accept is None or rate is None:
+            continue
+        for i in range(1, len(accept)):
+            accept[i] = min(accept[i], accept[i - 1])
+        out[w] = {"accept": accept, "propose_rate": rate}
+    return out
 
 
 def table(points: list[dict[str, Any]]) -> str:
@@ -292,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
                     "torch": torch.__version__},
         "acceptance_profile": workload_profiles(points),
+        "profiles": sim_profiles(points),  # what the simulated study reads
         "points": points,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hlserve.sim.speculation import AcceptanceProfile
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,6 +56,10 @@ def test_the_benchmark_runs_at_tiny_sizes(tiny_llama: Path, tmp_path: Path, caps
     for workload in ("agent", "coding"):
         prof = res["acceptance_profile"][workload]["spec"]
         assert len(prof) == 3 and all(0 <= x <= 1 for x in prof)
-        assert prof == sorted(prof, reverse=True)  # position i+1 needs position i
+        # the simulator's form: non-increasing (a prefix is accepted), with the match rate,
+        # read back as the simulated study reads it
+        sim = AcceptanceProfile.load(out, workload)
+        assert list(sim.accept) == sorted(sim.accept, reverse=True)
+        assert sim.accept[0] == pytest.approx(prof[0]) and 0 < sim.propose_rate <= 1
     table = capsys.readouterr().out
     assert table.count("| coding |") == 4 and "| tokens/step off |" in table

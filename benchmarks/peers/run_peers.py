@@ -163,13 +163,15 @@ def vllm_env(py: Path, kv_gib: int, threads: int = 2) -> dict[str, str]:
 
 
 def vllm_server(py: Path, model: Path, port: int, max_len: int, log: Path,
-                kv_gib: int, threads: int = 2, plugin: bool = False) -> ExternalServer:
+                kv_gib: int, threads: int = 2, plugin: bool = False,
+                extra: Sequence[str] = ()) -> ExternalServer:
     env = vllm_env(py, kv_gib, threads)
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
            "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--dtype", "bfloat16",
            "--max-model-len", str(max_len)]
     if plugin:
         cmd += [*PLUGIN_ARGS, "--max-num-batched-tokens", str(max_len)]
+    cmd += list(extra)
     return ExternalServer(cmd, "127.0.0.1", port, log, env, health_timeout=600)
 
 
@@ -188,7 +190,7 @@ def parse_server(name: str) -> tuple[str, str | None, int | None]:
     """``vllm``, ``vllm-1t``, ``vllm-hlserve``, ``hlserve-throughput``, ``hlserve-slo-1t``:
     (kind, mode,
     threads); no suffix: vLLM binds 2 threads (PEERS.md), hlserve takes torch's default. A
-    ``@VARIANT`` suffix (hlserve only) adds that ``--variant``'s flags."""
+    ``@VARIANT`` suffix adds that ``--variant``'s flags (to either server)."""
     parts = name.split("@")[0].split("-")
     threads = None
     if parts[-1].endswith("t") and parts[-1][:-1].isdigit():
@@ -239,9 +241,13 @@ def main() -> int:
     ap.add_argument("--output-len", default="32:96")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                    help="extra hlserve serve flags for servers named hlserve-MODE@NAME, e.g. "
+                    help="extra server flags for servers named SERVER@NAME, e.g. "
                          "--variant 'nocap=--max-step-seconds none' with --servers "
-                         "hlserve-throughput,hlserve-throughput@nocap,...")
+                         "hlserve-throughput,hlserve-throughput@nocap,...; vLLM's too "
+                         "(vllm@NAME)")
+    ap.add_argument("--workload", choices=["agent", "coding"], default="agent",
+                    help="coding: hlserve bench's coding pipeline (a real model's chat "
+                         "template renders it: with --model; lengths not pinned)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="also record py-spy stacks of the hlserve servers into this folder "
                          "(a separate, unmeasured pass after the measured one)")
@@ -255,7 +261,8 @@ def main() -> int:
         ensure_plugin(py)
     model = Path(resolve_model(args.model)) if args.model else ensure_model(args.model_dir)
     args.out.mkdir(parents=True, exist_ok=True)
-    spec = BenchSpec(base_url="", model="m", workload="agent", sessions=args.sessions,
+    spec = BenchSpec(base_url="", model="m", workload=args.workload, sessions=args.sessions,
+                     tokenizer=str(model) if args.workload == "coding" else None,
                      rounds=args.rounds, system_prompt_len=args.system_prompt_len,
                      task_len=args.task_len, tool_output_len=parse_range(args.tool_output_len),
                      output_len=parse_range(args.output_len), seed=args.seed, timeout=1800)
@@ -272,12 +279,13 @@ def main() -> int:
             f"{name}#{1 + sum(k.split('#')[0] == name for k in results)}"
         log = args.out / f"{run}.server.log"
         kind, mode, threads = parse_server(name)
+        extra = variants[name.split("@")[1]] if "@" in name else ()
         if kind == "vllm":
             srv = vllm_server(py, model, port, args.max_model_len, log, args.kv_gib, threads,
-                              plugin=mode == "hlserve")
+                              plugin=mode == "hlserve", extra=extra)
         else:
             srv = hlserve_server(model, port, args.max_model_len, mode, log, args.kv_gib,
-                                 threads, variants[name.split("@")[1]] if "@" in name else ())
+                                 threads, extra)
         t = time.perf_counter()
         with srv:
             print(f"\n== {name}: ready in {time.perf_counter() - t:.0f}s; warming up", flush=True)

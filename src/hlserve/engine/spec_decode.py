@@ -42,6 +42,10 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # drafts that reached position i (a proposal may be shorter than k): acceptance at i
+    # among the drafts that tried it, what a simulated profile needs (sim/speculation.py)
+    drafted_per_pos: list[int] = field(default_factory=list)
+    num_lookups: int = 0  # proposals asked for (a draft or none): drafts / lookups is the match rate
     # the per-step choice of k (steps by k, probes, acceptance per position); None: fixed k
     adaptive: AdaptiveK | None = None
 
@@ -51,6 +55,8 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+        for i in range(num_draft):
+            self.drafted_per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -69,13 +75,14 @@ class ContextView(Sequence[int]):
     asked for every decode step, and ``all_token_ids`` copies the whole context each time
     (the speculators read only what was appended, or the last few tokens)."""
 
-    __slots__ = ("output", "prompt")
+    __slots__ = ("n", "output", "prompt")
 
     def __init__(self, prompt: list[int], output: list[int]) -> None:
         self.prompt, self.output = prompt, output
+        self.n = len(prompt) + len(output)  # read while the request cannot grow
 
     def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return self.n
 
     @overload
     def __getitem__(self, i: int) -> int: ...
@@ -110,7 +117,8 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         self.speculator: Speculator = make_speculator(config)
         self.adaptive = AdaptiveK(self.k) if adaptive else None
-        self.stats = SpecStats(accepted_per_pos=[0] * self.k, adaptive=self.adaptive)
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k, drafted_per_pos=[0] * self.k,
+                               adaptive=self.adaptive)
         self._step_k = self.k  # this step's k (begin_step); fixed k without adaptive
         self._probe = False  # one request of this step may still draft k_max (a probe)
 
@@ -163,6 +171,7 @@ class SpecDecoder:
             return []
         context = ContextView(req.prompt_token_ids, req.output_token_ids)
         self.speculator.observe(req.request_id, context, len(req.prompt_token_ids))
+        self.stats.num_lookups += 1
         draft = self.speculator.propose(req.request_id, context, k)[:k]
         if draft and probing and self.adaptive is not None:
             self._probe = False  # one probe per step

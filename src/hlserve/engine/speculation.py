@@ -121,8 +121,11 @@ class NgramSpeculator(Speculator):
         index.extend(context)
 
     def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
-        self.observe(request_id, context)
-        return self._index[request_id].propose(k, self.prompt_lookup_max)
+        index = self._index.get(request_id)
+        if index is None or len(index.tokens) != len(context):  # not observed since it grew
+            self.observe(request_id, context)
+            index = self._index[request_id]
+        return index.propose(k, self.prompt_lookup_max)
 
     def finish(self, request_id: str) -> None:
         self._index.pop(request_id, None)
@@ -158,7 +161,10 @@ class NgramIndex:
         first = self.indexed + 1
         if last < first:
             return
-        grams = zip(*(t[first - n + 1 + j:last + 2 - n + j] for j in range(n)))
+        if last - first < 8:  # a decode step's few tokens: zip's set-up would cost more
+            grams = (tuple(t[e - n + 1:e + 1]) for e in range(first, last + 1))
+        else:
+            grams = zip(*(t[first - n + 1 + j:last + 2 - n + j] for j in range(n)), strict=True)
         for e, key in enumerate(grams, first):
             at = ends.get(key)
             if at is None:
