@@ -238,7 +238,8 @@ def workload_profiles(points: list[dict[str, Any]]) -> dict[str, dict[str, list[
 def sim_profiles(points: list[dict[str, Any]], arm: str = "spec") -> dict[str, Any]:
     """The ``spec`` arm's profile per workload in the form the simulator reads
     (``AcceptanceProfile.load``, ``benchmarks/study_speculation.py --profiles``): acceptance
-    by position made non-increasing (a draft is accepted as a prefix) and the match rate."""
+    by position made non-increasing (a draft is accepted as a prefix), the match rate, and
+    how far drafts reach (the share with a token at each position)."""
     out: dict[str, Any] = {}
     for w, arms in _spec_rows(points).items():
         rows = arms.get(arm, [])
@@ -247,7 +248,10 @@ def sim_profiles(points: list[dict[str, Any]], arm: str = "spec") -> dict[str, A
             continue
         for i in range(1, len(accept)):
             accept[i] = min(accept[i], accept[i - 1])
-        out[w] = {"accept": accept, "propose_rate": rate}
+        drafts = sum(r.get("drafts") or 0 for r in rows)
+        reached = [r["drafted_per_pos"] for r in rows if r.get("drafted_per_pos")]
+        reach = [sum(d[i] for d in reached) / drafts for i in range(len(accept))]
+        out[w] = {"accept": accept, "propose_rate": rate, "reach": reach}
     return out
 
 

@@ -55,7 +55,8 @@ def profiles(args: argparse.Namespace) -> dict[str, AcceptanceProfile | None]:
         for name in data:
             p = AcceptanceProfile.load(args.profiles, name)
             accept = (p.accept + (0.0,) * args.k)[:args.k]
-            out[f"measured-{name}"] = AcceptanceProfile(accept, p.propose_rate, name)
+            reach = (p.reach + (0.0,) * args.k)[:args.k] if p.reach else ()
+            out[f"measured-{name}"] = AcceptanceProfile(accept, p.propose_rate, name, reach)
     return out
 
 
@@ -73,7 +74,7 @@ def run_task(job: tuple[Task, dict[str, Any], str]) -> str:
         {"method": "ngram", "num_speculative_tokens": args["k"]})}
     rec = run_point(spec, Point("hlserve", None, ctx, n), options, SimOptions(acceptance=prof))
     rec["variant"] = variant
-    rec["profile"] = None if prof is None else {"accept": prof.accept,
+    rec["profile"] = None if prof is None else {"accept": prof.accept, "reach": prof.reach,
                                                  "propose_rate": prof.propose_rate}
     path = point_file(Path(out), task)
     path.write_text(json.dumps(rec, indent=1))
@@ -113,13 +114,28 @@ def summarize(tasks: list[Task], out: Path, seeds: list[int]) -> list[dict[str, 
             "p99_tpot_ms_on": mean_ci([shared.value(r, "p99_tpot_ms") for r in on])[0],
             "meets_production_slo_on": sum(shared.meets_slo(r, *PRODUCTION_SLO) for r in on),
             "retractions_on": sum(r["metrics"]["retractions"] for r in on),
+            "drafting_steps_pct": drafting_share(on),
         })
     return rows
 
 
+def drafting_share(recs: list[dict[str, Any]]) -> float | None:
+    """The share of steps (%) at which throughput mode's adaptive k chose to draft (k > 0)."""
+    by_k = [r["metrics"].get("spec_steps_by_k") for r in recs]
+    if any(b is None for b in by_k):
+        return None
+    total = sum(sum(b) for b in by_k)
+    return 100 * sum(sum(b[1:]) for b in by_k) / total if total else None
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}%"
+
+
 def markdown(rows: list[dict[str, Any]], seeds: int) -> str:
     lines = [f"| context | sessions | profile | acceptance | tok/s off | tok/s on | gain % (95% CI, "
-             f"{seeds} seeds) | TPOT p99 ms off -> on |", "|---|---|---|---|---|---|---|---|"]
+             f"{seeds} seeds) | TPOT p99 ms off -> on | steps drafting |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gain = fmt_ci(r["gain_pct"], r["gain_ci"], "{:+.1f}")
         if r["no_difference"]:
@@ -127,7 +143,8 @@ def markdown(rows: list[dict[str, Any]], seeds: int) -> str:
         lines.append(f"| {r['context'] // 1024}K | {r['sessions']} | {r['variant']} | "
                      f"{r['acceptance']:.2f} | {r['throughput_off']:,.0f} | "
                      f"{r['throughput_on']:,.0f} | {gain} | {r['p99_tpot_ms_off']:.0f} -> "
-                     f"{r['p99_tpot_ms_on']:.0f} |")
+                     f"{r['p99_tpot_ms_on']:.0f} | "
+                     f"{pct(r['drafting_steps_pct'])} |")
     return "\n".join(lines)
 
 

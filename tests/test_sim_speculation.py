@@ -78,3 +78,21 @@ def test_profile_checks_counts_and_files(tmp_path) -> None:
     assert AcceptanceProfile.load(f, "coding") == AcceptanceProfile((0.7, 0.5), 0.6, "coding")
     with pytest.raises(ValueError, match="coding"):
         AcceptanceProfile.load(f, "agent")
+
+
+def test_drafts_reach_as_far_as_the_profile_says() -> None:
+    """A measured profile's reach: drafts are as long as real proposals were (only their
+    rows cost), and acceptance is honoured among the drafts that reach a position."""
+    _, tokens = run(None)
+    profile = AcceptanceProfile((0.9, 0.8, 0.7), propose_rate=1.0, reach=(1.0, 0.5, 0.25))
+    spec, spec_tokens = run(profile)
+    assert spec_tokens == tokens
+    s = spec.spec_stats
+    assert [d / s.num_drafts for d in s.drafted_per_pos] == pytest.approx([1.0, 0.5, 0.25],
+                                                                          abs=0.04)
+    assert [a / d for a, d in zip(s.accepted_per_pos, s.drafted_per_pos, strict=True)] == \
+        pytest.approx([0.9, 0.8, 0.7], abs=0.05)
+    with pytest.raises(ValueError, match="reach"):
+        AcceptanceProfile((0.5, 0.4), reach=(1.0,))
+    with pytest.raises(ValueError, match="do not increase"):
+        AcceptanceProfile((0.5, 0.4), reach=(0.5, 1.0))

@@ -9,7 +9,9 @@ one per workload). :class:`ProfileSpeculator` proposes drafts whose first ``m`` 
 tokens the simulated runner will produce and the rest wrong, ``m`` drawn from the profile
 deterministically per (request, position); the runner then verifies them exactly as the real
 runner verifies greedy drafts (equal prefix, then the target's token), and the scheduler, the
-KV cache and the cost of the extra query rows are the real engine's.
+KV cache and the cost of the extra query rows are the real engine's. A profile may also say
+how far drafts reach (``reach``: a real n-gram proposal stops where the context does, so on
+repetitive text many are shorter than k): a draft is then that long, and only its rows cost.
 """
 
 from __future__ import annotations
@@ -35,16 +37,29 @@ class AcceptanceProfile:
     accept: tuple[float, ...]
     propose_rate: float = 1.0
     name: str = ""
+    # reach[i]: the share of drafts with a token at position i + 1 (empty: every draft is k
+    # long); accept[i] is then among the drafts that reach it
+    reach: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.propose_rate <= 1.0:
             raise ValueError(f"propose_rate {self.propose_rate} is not a share")
-        prev = 1.0
-        for a in self.accept:
-            if not 0.0 <= a <= prev + 1e-9:
-                raise ValueError(f"acceptance by position {self.accept} must be shares that "
-                                 "do not increase with the position")
-            prev = a
+        for name, shares in (("acceptance", self.accept), ("reach", self.reach)):
+            prev = 1.0
+            for a in shares:
+                if not 0.0 <= a <= prev + 1e-9:
+                    raise ValueError(f"{name} by position {shares} must be shares that do not "
+                                     "increase with the position")
+                prev = a
+        if self.reach and len(self.reach) != len(self.accept):
+            raise ValueError("reach and accept need one share per position each")
+
+    def draft_length(self, u: float, k: int) -> int:
+        """A draft's length (at most ``k``) for a uniform draw ``u``: P(length >= i) =
+        reach[i - 1]; at least one token (a proposal is a draft only if it has one)."""
+        if not self.reach:
+            return k
+        return max(1, sum(1 for r in self.reach[:k] if u < r))
 
     @property
     def k(self) -> int:
@@ -81,7 +96,8 @@ class AcceptanceProfile:
         else:
             name = data.get("name", workload or "")
         return cls(tuple(float(a) for a in data["accept"]),
-                   float(data.get("propose_rate", 1.0)), name)
+                   float(data.get("propose_rate", 1.0)), name,
+                   tuple(float(r) for r in data.get("reach", ())))
 
 
 def _unit(request_id: str, position: int, salt: int) -> float:
@@ -112,6 +128,7 @@ class ProfileSpeculator(Speculator):
         if k <= 0 or _unit(request_id, pos, 0) >= self.profile.propose_rate:
             return []
         last = self._last_prompt.get(request_id, context[-1])
+        k = self.profile.draft_length(_unit(request_id, pos, 2), k)
         m = self.profile.accepted_length(_unit(request_id, pos, 1), k)
         draft = [self.token_at(last, pos + i) for i in range(m)]
         if m < k:  # the first rejected token: anything but the runner's

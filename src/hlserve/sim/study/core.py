@@ -165,7 +165,10 @@ def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = No
     if engine.spec is not None:  # only then: stored points without speculation stay as they are
         st = engine.spec.stats
         metrics |= {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
-                    "spec_num_accepted_tokens": st.num_accepted_tokens}
+                    "spec_num_accepted_tokens": st.num_accepted_tokens,
+                    "spec_num_lookups": st.num_lookups}
+        if st.adaptive is not None:  # throughput mode: the steps by the k it chose
+            metrics["spec_steps_by_k"] = list(st.adaptive.steps_by_k)
     return {
         "point": dataclasses.asdict(point), "label": point.label, "spec": spec.fingerprint(),
         "options": opts, "kv_pool_tokens": runner.num_pages * runner.page_size,
