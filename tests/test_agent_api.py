@@ -350,3 +350,17 @@ def test_multi_turn_tool_loop_renders_as_vllm(server, client: openai.OpenAI) -> 
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": as_dicts,
                                                    "tools": [WEATHER]}, timeout=60)
     assert r.choices[0].model_extra["prompt_token_ids"] == t.json()["tokens"]
+
+
+def test_messages_reach_the_template_as_vllm_hands_them() -> None:
+    """vLLM's "string" content format: text parts joined by newlines, and no content (an
+    assistant turn that only calls tools) as "" (SmolLM2's template concatenates content
+    and failed on None)."""
+    from hlserve.server.protocol import ChatMessage
+
+    parts = ChatMessage(role="user", content=[{"type": "text", "text": "a"},
+                                              {"type": "text", "text": "b"}])
+    assert parts.for_template()["content"] == "a\nb"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tool_only = ChatMessage(role="assistant", content=None, tool_calls=[call])
+    assert tool_only.for_template() == {"role": "assistant", "content": "", "tool_calls": [call]}

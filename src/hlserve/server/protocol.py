@@ -361,6 +361,10 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
     def for_template(self) -> dict[str, Any]:
+        """The message as vLLM hands it to a chat template in its "string" content format (the
+        one hlserve renders): text parts joined with newlines, no content as "" (an assistant
+        message that only calls tools: templates that concatenate content would fail on
+        None)."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             texts = []
@@ -373,9 +377,9 @@ class ChatMessage(BaseModel):
                     raise ApiError(400, f"content part {i} of type 'text' has no 'text'",
                                    param="messages", code="missing_required_parameter")
                 texts.append(part.text)
-            msg["content"] = "".join(texts)
+            msg["content"] = "\n".join(texts)
         elif self.content is None:
-            msg["content"] = None
+            msg["content"] = ""
         return msg
 
 
