@@ -9,6 +9,11 @@ clock without timing flakiness.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.models.config import ModelConfig
 
@@ -58,3 +63,15 @@ class HistoryRunner(Runner):
         return StepResult(tokens=out, elapsed=elapsed)
 
 
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package), registered
+    under ``name`` so its dataclasses and pickling find it."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,22 +4,17 @@ real ones, and the indexed and scanning n-gram arms draft the same tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from support import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("spec_overhead_bench",
-                                                  ROOT / "benchmarks" / "spec_overhead.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["spec_overhead_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("spec_overhead")
 
 
 def test_the_benchmark_runs_at_tiny_sizes(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -4,26 +4,19 @@ intervals, the acceptance profile and identical greedy outputs across arms."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from hlserve.sim.speculation import AcceptanceProfile
+from support import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("speculation_bench",
-                                                  ROOT / "benchmarks" / "speculation.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["speculation_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("speculation")
 
 
 def test_the_benchmark_runs_at_tiny_sizes(tiny_llama: Path, tmp_path: Path, capsys) -> None:

@@ -4,11 +4,9 @@ and the study's headline numbers with an interval over seeds and model error tog
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,19 +15,14 @@ from hlserve.sim import fitting
 from hlserve.sim.hardware import get_hardware
 from hlserve.sim.study import model_error as me
 from hlserve.sim.study.core import Point, StudySpec, run_point, throughput
+from support import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = ROOT / "docs" / "study" / "h20-seeds" / "points"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("study_model_error",
-                                                  ROOT / "benchmarks" / "study_model_error.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["study_model_error"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("study_model_error")
 
 
 @pytest.fixture(scope="module")
