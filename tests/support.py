@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.models.config import ModelConfig
 
@@ -75,3 +77,12 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding by a full forward per token: the reference tokens."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]

@@ -20,6 +20,7 @@ from hlserve.models import attention as attn
 from hlserve.models import tiny
 from hlserve.models.cpu_kernels import decode_op, prefill_op
 from hlserve.models.packed_linear import PackedLinear, can_prepack
+from support import hf_greedy
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int,
@@ -390,13 +391,6 @@ def test_masked_fallback_matches_lse_merge(monkeypatch: pytest.MonkeyPatch) -> N
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hlserve import LLM, SamplingParams
+from support import hf_greedy
 
 MAX_NEW = 20
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 4}
 
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def make_prompts(vocab: int) -> list[list[int]]:

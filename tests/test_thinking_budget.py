@@ -21,6 +21,7 @@ from hlserve import LLM, SamplingParams
 from hlserve.errors import InvalidRequestError
 from hlserve.server.launch import ServerProcess
 from hlserve.structured.thinking import ThinkingBudget, ThinkingState
+from support import hf_greedy
 
 START, END = (7, 8), (9, 10)
 
@@ -62,13 +63,6 @@ def test_budget_is_validated() -> None:
         with pytest.raises(InvalidRequestError):
             SamplingParams(thinking=bad)
 
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def test_engine_forces_the_end_and_matches_transformers(tiny_model_dirs: dict[str, Path]) -> None:
