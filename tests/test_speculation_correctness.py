@@ -95,3 +95,24 @@ def test_retraction_with_drafts_in_flight_keeps_tokens(case, opts) -> None:
     assert llm.engine.scheduler.num_retractions > 0, "the pool was meant to force retraction"
     assert outs == refs
     assert_speculated(llm)
+
+
+@pytest.mark.parametrize(("decode_path", "page_size"), [
+    ("cpu_kernel", 1), ("cpu_kernel", 16), ("padded", 1), ("per_sequence", 16)])
+def test_verify_rows_on_every_decode_path(case, decode_path: str, page_size: int,
+                                          monkeypatch) -> None:
+    """A speculating decode's 1 + k rows run as decodes of lengths start+1..start+1+k on the
+    batched paths (the CPU kernel; the padded call CUDA uses, run here on the CPU), and as a
+    prefill over its context where decodes go one by one: the same tokens on each."""
+    from hlserve.models.cpu_kernels import decode_op
+    from hlserve.runner.torch_runner import TorchRunner
+
+    if decode_path == "cpu_kernel" and decode_op() is None:
+        pytest.skip("the CPU decode kernel did not build")
+    monkeypatch.setattr(TorchRunner, "_decode_path", lambda self, head_dim: decode_path)
+    monkeypatch.setattr(TorchRunner, "_prefill_path", lambda self, head_dim: "sdpa")
+    path, prompts, refs = case
+    llm, outs = run(path, prompts, page_size=page_size, chunk_size=32)
+    assert llm.engine.runner.decode_path == decode_path
+    assert outs == refs
+    assert_speculated(llm)

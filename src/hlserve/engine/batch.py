@@ -37,9 +37,12 @@ class ScheduledSeq:
         return self.end - len(self.draft) == self.request.num_tokens
 
     @property
-    def is_decode(self) -> bool:
-        """One query row over a context (the decode attention paths take exactly one)."""
-        return self.num_tokens == 1 and self.start > 0
+    def decode_rows(self) -> int:
+        """Query rows the decode attention paths can take, one decode each: 1 for a decode,
+        1 + k for a speculating one (row i attends to the context and rows 0..i, which is
+        a decode of length ``start + i + 1``: its K/V are in the cache before attention), 0
+        for a prompt chunk."""
+        return self.num_tokens if self.start > 0 and (self.draft or self.num_tokens == 1) else 0
 
     @property
     def is_prefill(self) -> bool:

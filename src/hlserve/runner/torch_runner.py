@@ -146,7 +146,10 @@ class TorchRunner(Runner):
                 positions.extend(rng)
                 slots.extend([table[p // ps] * ps + p % ps for p in rng])
             seg = Segment(t0, len(ids), seq.start)
-            seg.batched = (self.decode_path != "per_sequence" if seq.is_decode
+            # a speculating decode's rows run as decodes too: one batched call for all
+            # rows, not a prefill-over-context per request (on the CPU that was ~0.1 ms of
+            # Python and small SDPA calls per request per layer)
+            seg.batched = (self.decode_path != "per_sequence" if seq.decode_rows
                            else self.prefill_path == "cpu_kernel")
             # a sequence with context that no batched call attends reads it back through
             # its pages, in the per-layer gather
@@ -171,18 +174,23 @@ class TorchRunner(Runner):
 
     def _padded_decodes(self, batch: Batch, segments: list[Segment]) -> PaddedDecodes | None:
         decodes = [(seg.start, seq) for seq, seg in zip(batch.seqs, segments, strict=True)
-                   if seq.is_decode]
+                   if seq.decode_rows]
         if not decodes:
             return None
         width = max(-(-seq.end // self.page_size) for _, seq in decodes)
-        pages = []
-        for _, seq in decodes:
+        rows: list[int] = []
+        pages: list[list[int]] = []
+        lengths: list[int] = []
+        for first, seq in decodes:
             table = seq.page_table[:width]
-            pages.append(table + [0] * (width - len(table)))
+            table = table + [0] * (width - len(table))
+            for i in range(seq.decode_rows):  # row i: a decode of length start + i + 1
+                rows.append(first + i)
+                pages.append(table)
+                lengths.append(seq.start + i + 1)
         dev = self.device
-        return PaddedDecodes(torch.tensor([row for row, _ in decodes], device=dev),
-                             torch.tensor(pages, device=dev),
-                             torch.tensor([seq.end for _, seq in decodes], device=dev))
+        return PaddedDecodes(torch.tensor(rows, device=dev), torch.tensor(pages, device=dev),
+                             torch.tensor(lengths, device=dev))
 
     def _paged_decodes(self, batch: Batch, segments: list[Segment]) -> PagedDecodes | None:
         rows: list[int] = []
@@ -190,11 +198,13 @@ class TorchRunner(Runner):
         lo: list[int] = []
         lengths: list[int] = []
         for seq, seg in zip(batch.seqs, segments, strict=True):
-            if seq.is_decode:
-                rows.append(seg.start)
-                lo.append(len(pages))
+            n = seq.decode_rows
+            if n:
+                at = len(pages)  # the rows of a speculating decode share its table
                 pages.extend(seq.page_table[: -(-seq.end // self.page_size)])
-                lengths.append(seq.end)
+                rows.extend(range(seg.start, seg.start + n))
+                lo.extend([at] * n)
+                lengths.extend(range(seq.start + 1, seq.start + n + 1))
         if not rows:
             return None
         return PagedDecodes(*(torch.tensor(x, dtype=torch.long) for x in (rows, pages, lo,
@@ -205,7 +215,7 @@ class TorchRunner(Runner):
         cols: list[list[int]] = [[], [], [], []]  # page_lo, starts, num_new, context
         with_decodes = self.decode_path == "prefill_kernel"
         for seq, seg in zip(batch.seqs, segments, strict=True):
-            if with_decodes or not seq.is_decode:
+            if with_decodes or not seq.decode_rows:
                 for col, x in zip(cols, (len(pages), seg.start, seg.num_new, seg.context_len),
                                   strict=True):
                     col.append(x)
