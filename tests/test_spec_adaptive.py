@@ -70,6 +70,42 @@ def test_the_fixed_cost_against_the_rows_decides() -> None:
     assert 0 < a.best_k(300) < 3
 
 
+def test_reach_counts_only_the_rows_drafts_fill() -> None:
+    """A lookup allowed k drafts only as far as its match goes: positions it did not reach
+    fall, positions past what it was allowed learn nothing, a lookup without a match is a
+    miss at every allowed position."""
+    a = AdaptiveK(3)
+    for _ in range(40):
+        a.observe_lookup(3, 1)
+    assert a.reach[0] == 1.0 and a.reach[1] < 0.02 and a.reach[2] < 0.02
+    a.observe_lookup(1, 0)
+    assert a.reach[0] == pytest.approx(0.9) and a.reach[1] < 0.02
+    before = list(a.reach)
+    a.observe_lookup(1, 1)
+    assert a.reach[1:] == before[1:]
+
+
+def test_short_drafts_make_later_positions_cheap() -> None:
+    """Expected tokens and rows both weigh position j by its reach: with the same acceptance
+    and cost, drafts that rarely get past the first token make allowing more of them nearly
+    free, so k is at least what full-length drafts would give, and the rate is the
+    formula's."""
+    a = AdaptiveK(3)
+    a.accept = [0.9, 0.5, 0.5]
+    a.cost = fitted(0.010, 0.0001, [1, 40, 7, 300, 12, 64, 3, 128, 9, 16])
+    full = a.best_k(16)
+    a.reach = [0.6, 0.15, 0.1]
+    assert a.best_k(16) == 3 > full == 2
+
+    def rate(k: int, d: int = 16) -> float:
+        g = [0.9, 0.45, 0.225]
+        gain = sum(a.reach[j] * g[j] for j in range(k))
+        return (1 + gain) / (0.010 + 0.0001 * d * (1 + sum(a.reach[:k])))
+
+    assert max(range(4), key=lambda k: (rate(k), k)) == 3
+    assert max(range(4), key=lambda k: (rate(k, 300), k)) == a.best_k(300) == 1
+
+
 def test_choose_none_without_budget_and_probe_while_zero() -> None:
     a = AdaptiveK(3, probe_every=4)
     assert a.choose(8, spare=0) == (0, False)  # the decodes fill the budget

@@ -2,18 +2,22 @@
 
 A draft token costs a query row of the step's forward whether or not it is accepted, and
 pays only when it is. Each step :class:`AdaptiveK` picks the k (0..k_max) that every
-speculating request may draft, from two measurements:
+speculating request may draft, from three measurements:
 
+- reach: ``q_j``, the EMA of P(a lookup allowed j or more tokens drafts at least j), per
+  position, over every lookup (one that found no match drafts 0). An n-gram proposer
+  drafts only as far as its match goes, so allowing k tokens drafts ``R(k) = sum_{j<=k}
+  q_j`` rows on average, not k: on repetitive agent output most drafts are one token;
 - acceptance: ``a_i``, the EMA of P(draft token i accepted | the tokens before it were),
-  per position, over every verified draft. With k drafts a request expects
-  ``E(k) = sum_{j<=k} g_j`` accepted tokens, where ``g_j = prod_{i<=j} a_i`` is what the
-  j-th draft token adds;
+  per position, over every verified draft. ``g_j = prod_{i<=j} a_i`` is the chance that the
+  j-th draft token, once drafted, is accepted, so allowing k tokens gains
+  ``E(k) = sum_{j<=k} q_j g_j`` tokens;
 - cost: the step's time as ``t0 + t_row x rows``, a least-squares fit over the recent steps
   with exponential forgetting (:class:`StepCostFit`; ``t0``: what a step costs whatever its
   size, the weights read, launches and the scheduler; ``t_row``: what each query row adds).
 
-With D decodes, k gives ``D (1 + E(k))`` tokens in ``t0 + t_row D (1 + k)`` seconds. The
-step takes the k with the most expected tokens per second among those whose last draft
+With D decodes, k gives ``D (1 + E(k))`` tokens in ``t0 + t_row D (1 + R(k))`` seconds.
+The step takes the k with the most expected tokens per second among those whose last draft
 token is accepted with probability at least ``min_gain`` (below it a draft costs the
 proposal and the verification's bookkeeping for almost nothing). Where ``t0`` dominates (a
 memory-bound GPU at a small batch) every draft that may be accepted pays; where the rows
@@ -24,7 +28,7 @@ decodes fill the budget speculates none.
 
 While k is 0 nothing is measured, so every ``probe_every`` such steps one request drafts
 k_max tokens (a probe), and the estimate follows a workload that turns repetitive. The prior
-is ``a_i = 1``: a fresh engine speculates fully until its drafts are measured (the warm-up;
+is ``a_i = q_j = 1``: a fresh engine speculates fully until its drafts are measured (the warm-up;
 with acceptance ~0, ``a_1`` falls below ``min_gain`` after about 22 drafts at ``alpha`` 0.1).
 """
 
@@ -88,6 +92,7 @@ class AdaptiveK:
     min_gain: float = MIN_GAIN
     probe_every: int = PROBE_EVERY
     accept: list[float] = field(default_factory=list)  # a_i, conditional, per position
+    reach: list[float] = field(default_factory=list)  # q_j, per position, over lookups
     cost: StepCostFit = field(default_factory=StepCostFit)
     steps_by_k: list[int] = field(default_factory=list)  # steps with decodes, by the k chosen
     probes: int = 0
@@ -95,6 +100,7 @@ class AdaptiveK:
 
     def __post_init__(self) -> None:
         self.accept = self.accept or [1.0] * self.k_max
+        self.reach = self.reach or [1.0] * self.k_max
         self.steps_by_k = self.steps_by_k or [0] * (self.k_max + 1)
 
     def observe_draft(self, num_draft: int, num_accepted: int) -> None:
@@ -102,6 +108,12 @@ class AdaptiveK:
         for i in range(min(num_draft, num_accepted + 1)):
             hit = 1.0 if i < num_accepted else 0.0
             self.accept[i] += self.alpha * (hit - self.accept[i])
+
+    def observe_lookup(self, allowed: int, drafted: int) -> None:
+        """One lookup that could draft ``allowed`` tokens drafted ``drafted`` (0: no match);
+        positions past ``allowed`` learn nothing."""
+        for j in range(min(allowed, self.k_max)):
+            self.reach[j] += self.alpha * ((1.0 if j < drafted else 0.0) - self.reach[j])
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.cost.observe(rows, seconds)
@@ -123,10 +135,12 @@ class AdaptiveK:
         if fit is None:
             return cap
         t0, t_row = fit
-        best_k, best, expected = 0, -1.0, 0.0
+        best_k, best, expected, rows = 0, -1.0, 0.0, 0.0
         for k in range(cap + 1):
-            expected += gains[k - 1] if k else 0.0
-            rate = (1.0 + expected) / max(1e-12, t0 + t_row * decodes * (1 + k))
+            if k:
+                expected += self.reach[k - 1] * gains[k - 1]
+                rows += self.reach[k - 1]
+            rate = (1.0 + expected) / max(1e-12, t0 + t_row * decodes * (1 + rows))
             if rate >= best * (1 - 1e-9):
                 best_k, best = k, rate
         return best_k

@@ -140,7 +140,7 @@ class SpecDecoder:
                   f"{c.suffix_decoding_min_token_prob}")
         how = (f"up to {self.k} draft tokens per decode" if self.adaptive is None else
                f"k chosen per step in 0..{self.k} (adaptive: the most expected tokens per "
-               f"second from the EMA of acceptance per position, alpha {self.adaptive.alpha}, "
+               f"second from the EMAs of draft reach and acceptance per position, alpha {self.adaptive.alpha}, "
                f"and the fitted step cost t0 + t_row x rows; a draft token below "
                f"{self.adaptive.min_gain} acceptance never; a probe every "
                f"{self.adaptive.probe_every} steps at k 0)")
@@ -173,9 +173,11 @@ class SpecDecoder:
         self.speculator.observe(req.request_id, context, len(req.prompt_token_ids))
         self.stats.num_lookups += 1
         draft = self.speculator.propose(req.request_id, context, k)[:k]
-        if draft and probing and self.adaptive is not None:
-            self._probe = False  # one probe per step
-            self.adaptive.probes += 1
+        if self.adaptive is not None:
+            self.adaptive.observe_lookup(k, len(draft))
+            if draft and probing:
+                self._probe = False  # one probe per step
+                self.adaptive.probes += 1
         return draft
 
     def record(self, num_draft: int, num_accepted: int) -> None:
