@@ -4,8 +4,10 @@ KV between its rounds, and admitting its next round first, finish jobs sooner?
 Steady-state closed loop (the study's: ``hlserve.sim.study.core.run_point``) on 8 x H20 with
 Qwen2.5-32B at 32K context by default, sessions 32 / 64 / 128, a lognormal tool call between a
 session's rounds (medians 0.5 s, 5 s, 30 s; ``--sigma`` its log's spread), throughput mode
-with one of three arms:
+with one of four arms:
 
+- ``hold+program``: ``retain+program`` with ``--session-hold on``: a new session's first
+  round does not evict retained pages while other requests run (Continuum's pinning);
 - ``retain+program``: ``--session-ttl`` (``--ttl-factor`` x the median tool time, fixed
   policy, or ``--ttl-policy learned``) and ``--order program``;
 - ``lpm``: no retention, throughput mode's own order (longest prefix match);
@@ -16,7 +18,7 @@ done, tool calls included, sessions started and ended inside the window) and the
 token throughput, as mean and 95% Student-t interval over ``--seeds`` workload seeds
 (``hlserve.stats.mean_ci``), and each arm's throughput and p50 completion against ``lpm``'s,
 paired by seed (``ratio_ci``). Records go to ``--out`` as they come; a rerun resumes. The full
-grid (3 medians x 3 concurrencies x 3 arms x 3 seeds = 81 points of 30 simulated minutes) is
+grid (3 medians x 3 concurrencies x 4 arms x 3 seeds = 108 points of 30 simulated minutes) is
 long: run it with ``--jobs`` on a machine of its own. A smoke run:
 
     python benchmarks/study_sessions.py --gpu H100 --tp 1 --model Qwen2.5-7B --context 8192 \\
@@ -39,7 +41,7 @@ from hlserve.stats import clean, fmt_ci, mean_ci, ratio_ci
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "study_sessions.json"
-ARMS = ("retain+program", "lpm", "fcfs")
+ARMS = ("hold+program", "retain+program", "lpm", "fcfs")
 BASELINE = "lpm"
 METRICS = ("session_completion_p50_s", "session_completion_p90_s", "session_completion_p99_s",
            "window_token_throughput")
@@ -61,9 +63,9 @@ class Cell:
 
 def arm_options(arm: str, median: float, ttl_factor: float, ttl_policy: str) -> dict[str, Any]:
     """Engine options of an arm on top of throughput mode (the study's ``hlserve`` system)."""
-    if arm == "retain+program":
+    if arm in ("retain+program", "hold+program"):
         return {"session_ttl": ttl_factor * median, "session_ttl_policy": ttl_policy,
-                "order": "program"}
+                "order": "program", "session_hold": arm == "hold+program"}
     if arm == "lpm":
         return {}
     if arm == "fcfs":

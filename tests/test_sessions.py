@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from hlserve.config import EngineConfig
 from hlserve.engine.args import parse_engine_args
 from hlserve.engine.engine import Engine, VirtualClock
@@ -153,13 +155,47 @@ def test_retention_expires_with_the_ttl() -> None:
     assert eng.kv.num_retained == 0 and eng.kv.retained_expired == 10
 
 
+def _hold_case(hold: bool) -> tuple[int, bool]:
+    """Session A's context retained (16 of 24 pages), a sessionless request decoding, then
+    a new session C whose prompt fits only by evicting A's pages, then A's next round: the
+    tokens A found cached, and whether C was admitted while the other request still ran."""
+    eng = engine_for(num_pages=24, session_ttl=30.0, session_hold=hold)
+    ctx = [7] * 3 + list(range(1000, 1061))  # 64 tokens, 16 pages
+    eng.add_request(ctx, greedy(1), session_id="A")
+    run(eng)
+    assert eng.kv.num_pinned == 16
+    other = eng.add_request(list(range(3000, 3008)), greedy(16))  # grows to 6 pages
+    eng.step()
+    c = eng.add_request(list(range(2000, 2032)), greedy(1), session_id="C")  # 8 pages
+    eng.step()
+    c_ran_early = c.num_computed > 0 and not other.finished
+    a2 = eng.add_request([*ctx, 5, 5, 5, 5], greedy(1), session_id="A")
+    run(eng)  # no deadlock: C is admitted once nothing else runs
+    assert c.finished and a2.finished and eng.kv.num_used == 0
+    eng.kv.check_invariants()
+    return a2.num_cached_prompt, c_ran_early
+
+
+def test_hold_keeps_retained_pages_from_new_sessions_until_the_engine_frees() -> None:
+    """Retention alone yields to the new session (A's context is evicted and recomputed);
+    with ``session_hold`` the new session waits while another request runs, A's next round
+    finds its whole context, and the new session still runs to its end."""
+    cached, early = _hold_case(hold=False)
+    assert cached < 64 and early
+    cached, early = _hold_case(hold=True)
+    assert cached == 64 and not early
+    assert parse_engine_args(["--session-hold", "on"]) == {"session_hold": True}
+
+
 def test_retention_isolates_tenants() -> None:
     assert _round_two_hit(30.0, salt2="t2") == 0  # same session name, another tenant
 
 
-def test_accounting_balances_under_random_sessions_with_aborts() -> None:
+@pytest.mark.parametrize("hold", [False, True])
+def test_accounting_balances_under_random_sessions_with_aborts(hold: bool) -> None:
     rng = random.Random(0)
-    eng = engine_for(num_pages=40, session_ttl=0.05, session_ttl_policy="learned")
+    eng = engine_for(num_pages=40, session_ttl=0.05, session_ttl_policy="learned",
+                     session_hold=hold)
     contexts = {f"s{i}": [i] * 5 for i in range(6)}
     live: list[str] = []
     for _step in range(600):

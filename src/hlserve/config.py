@@ -97,6 +97,10 @@ class EngineConfig:
     # seconds (evicted after plain cached pages); None: off, releases as before
     session_ttl: float | None = None
     session_ttl_policy: str = "fixed"  # fixed | learned (per session, from its tool gaps)
+    # retained pages are not evicted to admit a new session's first round (or a request of no
+    # session) while other requests run: Continuum's pinning; off: retention yields to any
+    # admission (engine/sessions.py)
+    session_hold: bool = False
     # speculative decoding (engine/spec_decode.py): vLLM's --speculative-config as canonical
     # JSON text (a string keeps the config hashable and this layer free of the engine's
     # types); parsed and checked by engine/args.py:make_config. None: off

@@ -255,6 +255,8 @@ class Request:
     cache_salt: str | None = None
     # the agent session it is a round of (engine/sessions.py:session_key, salt-scoped); None: none
     session: str | None = None
+    # the session has finished a round before (its context may be retained); set on arrival
+    returning: bool = False
     # a forked sibling (n > 1) waits for its leader's prefill, then finds the prompt's pages
     # in the prefix cache instead of computing them again
     leader: Request | None = None

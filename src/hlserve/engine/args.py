@@ -66,6 +66,9 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
                     "a round (evicted after plain cached pages); 'none': off"),
     "session_ttl_policy": (["--session-ttl-policy"], "fixed | learned (per session, from its "
                            "tool gaps and the prefill cost of its context)"),
+    "session_hold": (["--session-hold"], "on: a new session's first round (or a request of "
+                     "no session) does not evict retained pages while other requests run "
+                     "(Continuum's pinning); off: retention yields to every admission"),
     "speculative_config": (["--speculative-config"], "speculative decoding, vLLM's JSON: "
                            "'{\"method\": \"ngram\" | \"suffix\", \"num_speculative_tokens\": k, "
                            "...}' (no draft model)"),

@@ -174,6 +174,7 @@ class Engine:
             leader=self.requests.get(follows) if follows is not None else None,
             session=session_key(session_id, prompt_cache_key, user, cache_salt),
         )
+        req.returning = req.session is not None and self.sessions.known(req.session)
         if params.structured_outputs is not None:
             req.grammar = grammar or self.grammars.state(params.structured_outputs)
         elif params.thinking is not None:

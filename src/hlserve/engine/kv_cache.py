@@ -108,6 +108,7 @@ class KVCacheManager:
         # node's current number)
         self._deadlines: list[tuple[float, int, list[tuple[int, Node]]]] = []
         self._rnum: dict[Node, int] = {}
+        self._parked = 0  # retained entries that are plain parents parked behind children
         self._counter = itertools.count()
         self._seqs: dict[str, SeqPages] = {}
         self._watches: list[TreeWatch] = []
@@ -134,6 +135,16 @@ class KVCacheManager:
     def num_retained(self) -> int:
         """Cached pages of finished session rounds still under their retention deadline."""
         return len(self._retained)
+
+    @property
+    def num_pinned(self) -> int:
+        """Retained pages under a deadline (not the plain parents parked among them)."""
+        return len(self._retained) - self._parked
+
+    def pinned_among(self, nodes: list[Node]) -> int:
+        """How many of ``nodes`` (a matched prefix) are retained under a deadline."""
+        retained = self._retained
+        return sum(1 for n in nodes if n.ref == 0 and retained.get(n, -math.inf) != -math.inf)
 
     @property
     def num_used(self) -> int:
@@ -329,6 +340,7 @@ class KVCacheManager:
         while self._retained:
             node, until = self._retained.popitem(last=False)
             del self._rnum[node]
+            self._parked -= until == -math.inf
             if not node.children:
                 if until != -math.inf:
                     self.retained_evicted += 1
@@ -343,12 +355,16 @@ class KVCacheManager:
         for num, node in group:
             self._retained[node] = until
             self._rnum[node] = num
+        if until == -math.inf:
+            self._parked += len(nodes)
         heapq.heappush(self._deadlines, (until, group[0][0], group))
 
     def _unretain(self, node: Node) -> float:
         """Takes ``node`` off the retained list; its deadline."""
         del self._rnum[node]
-        return self._retained.pop(node)
+        until = self._retained.pop(node)
+        self._parked -= until == -math.inf
+        return until
 
     def evict(self, num_pages: int) -> int:
         """Drop up to ``num_pages`` unreferenced leaves: least recently used plain ones
@@ -407,6 +423,8 @@ class KVCacheManager:
             raise AssertionError(f"tree has {n_nodes} nodes, counter says {self.num_tree_nodes}")
         if self._rnum.keys() != self._retained.keys():
             raise AssertionError("the retained list and its deadline index disagree")
+        if self._parked != sum(u == -math.inf for u in self._retained.values()):
+            raise AssertionError("the parked count disagrees with the retained list")
         for rid, seq in self._seqs.items():
             for node in seq.nodes:
                 refs[id(node)] = refs.get(id(node), 0) + 1

@@ -291,7 +291,12 @@ class Scheduler:
                       cached, n, self.kv.pages_for(cached + n) - len(nodes),
                       sum(1 for nd in nodes if nd.ref == 0),
                       self._reserved_pages() if self.admission.policy.reserves else 0)
-        verdict = ap.decide(c, self.kv.available(), self.kv.num_used, self.kv)
+        available = self.kv.available()
+        if cfg.session_hold and not req.returning and self.running:
+            # Continuum's pinning (engine/sessions.py): a new program does not take the
+            # pages other sessions keep through their tool calls while anything else runs
+            available -= self.kv.num_pinned - self.kv.pinned_among(nodes)
+        verdict = ap.decide(c, available, self.kv.num_used, self.kv)
         return verdict, _Admitting(c, tokens, nodes) if verdict == Admit.YES else None
 
     def _commit_admission(self, req: Request, adm: _Admitting) -> None:

@@ -20,6 +20,15 @@ and plain again at the deadline. The TTL policy:
   pool-seconds, is below the saving ``R``, and never above ``4 x session_ttl``. Before a
   session has two gaps, the fixed TTL.
 
+**Holding.** Retention alone yields to every admission: retained pages are evicted last, but
+an admission that needs them gets them. In a closed loop where every cached page is some
+session's, "last" is plain LRU order and retention changes nothing (docs/study.md). With
+``session_hold`` a request that is not a started session's next round (a new session's first
+round, or no session) is admitted only if it fits without the live retained pages of other
+sessions, while other requests run: Continuum's pinning. It waits at most until those
+requests finish or the retained pages expire (an idle engine admits it), so it never
+deadlocks; running requests' growth still takes retained pages (no retraction is added).
+
 ``session_ttl`` None (the default) turns all of this off: requests release as before, and
 the stored zero-gap study is unchanged.
 """
@@ -74,6 +83,10 @@ class Sessions:
     @property
     def enabled(self) -> bool:
         return self.ttl is not None and self.ttl > 0
+
+    def known(self, key: str) -> bool:
+        """Whether the session has finished a round (while retention is on)."""
+        return key in self.state
 
     def observe(self, elapsed: float, tokens: int) -> None:
         """A step's time: the per-token cost that the learned TTL prices a reload at."""
