@@ -36,12 +36,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hlserve.engine.sessions import SESSION_ARMS, session_arm_options
 from hlserve.sim.study.core import Point, StudySpec, run_point
 from hlserve.stats import clean, fmt_ci, mean_ci, ratio_ci
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "study_sessions.json"
-ARMS = ("hold+program", "retain+program", "lpm", "fcfs")
+ARMS = SESSION_ARMS
 BASELINE = "lpm"
 METRICS = ("session_completion_p50_s", "session_completion_p90_s", "session_completion_p99_s",
            "window_token_throughput")
@@ -61,16 +62,7 @@ class Cell:
         return f"tool{self.median:g}_n{self.sessions}_{self.arm}_seed{self.seed}"
 
 
-def arm_options(arm: str, median: float, ttl_factor: float, ttl_policy: str) -> dict[str, Any]:
-    """Engine options of an arm on top of throughput mode (the study's ``hlserve`` system)."""
-    if arm in ("retain+program", "hold+program"):
-        return {"session_ttl": ttl_factor * median, "session_ttl_policy": ttl_policy,
-                "order": "program", "session_hold": arm == "hold+program"}
-    if arm == "lpm":
-        return {}
-    if arm == "fcfs":
-        return {"order": "fcfs"}
-    raise ValueError(f"unknown arm {arm!r}: {', '.join(ARMS)}")
+arm_options = session_arm_options  # on top of the study's ``hlserve`` system
 
 
 def run_cell(args: tuple[dict[str, Any], Cell]) -> tuple[str, dict[str, Any]]:

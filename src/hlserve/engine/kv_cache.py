@@ -121,6 +121,7 @@ class KVCacheManager:
         self.retained_hits = 0
         self.retained_expired = 0
         self.retained_evicted = 0
+        self.num_evicted = 0  # cached pages evicted, plain or retained
 
     # ---- cheap queries -------------------------------------------------------------------
     @property
@@ -383,6 +384,7 @@ class KVCacheManager:
             self._free.append(node.page)
             self.num_tree_nodes -= 1
             evicted += 1
+        self.num_evicted += evicted
         return evicted
 
     def _lock(self, node: Node) -> None:
