@@ -55,11 +55,15 @@ def session_arm_options(arm: str, median: float, ttl_factor: float = 3.0,
     if arm in ("retain+program", "hold+program"):
         return {"session_ttl": ttl_factor * median, "session_ttl_policy": ttl_policy,
                 "order": "program", "session_hold": arm == "hold+program"}
+    if arm == "retain+lpm":  # the two halves of retain+program, apart (not in SESSION_ARMS)
+        return {"session_ttl": ttl_factor * median, "session_ttl_policy": ttl_policy}
+    if arm == "program":
+        return {"order": "program"}
     if arm == "lpm":
         return {}
     if arm == "fcfs":
         return {"order": "fcfs"}
-    raise ValueError(f"unknown arm {arm!r}: {', '.join(SESSION_ARMS)}")
+    raise ValueError(f"unknown arm {arm!r}: {', '.join(SESSION_ARMS)}, retain+lpm, program")
 
 
 def session_key(session_id: str | None = None, prompt_cache_key: str | None = None,
