@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import shlex
 import sys
 import time
@@ -62,13 +61,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
+from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.one_model import OneModel
 from hlserve.driver.records import session_completion
-from hlserve.driver.repeats import RepeatPlan, run_repeats
+from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
 from hlserve.engine.args import parse_engine_args
 from hlserve.engine.sessions import SESSION_ARMS, session_arm_options
-from hlserve.llm import engine_config, engine_on
-from hlserve.runner.torch_runner import TorchRunner
 from hlserve.stats import fmt_ci
 from hlserve.tool_time import parse_tool_time
 from hlserve.workloads import AgentWorkload, Dist
@@ -127,17 +125,11 @@ class Runs:
 
     def __init__(self, bench: Bench) -> None:
         self.bench = bench
-        self.base = {"mode": "throughput", **bench.engine, "num_pages": bench.num_pages}
-        self.runner = TorchRunner(engine_config(bench.model, **self.base))
+        self.model = OneModel(bench.model, {"mode": "throughput", **bench.engine, "num_pages": bench.num_pages})
+        self.runner = self.model.runner
 
     def engine(self, arm: dict[str, Any]) -> Any:
-        config = engine_config(self.bench.model, **{**self.base, **arm})
-        engine = engine_on(config, runner=lambda _cfg: self.runner)
-        # warm-up outside the measurement: one short request of no session
-        engine.add_request(list(range(1000, 1040)), greedy(4))
-        while engine.has_unfinished():
-            engine.step()
-        return engine
+        return self.model.engine(arm)
 
     def run(self, arm: dict[str, Any], seed: int) -> dict[str, Any]:
         """One measured run: every session of workload ``seed`` to its end, under ``arm``."""
@@ -298,14 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="KV pool pages (of --page-size tokens, 16 by default): about half the "
                          "default sessions' working set, so it is under pressure (default: 448)")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="runs per arm, interleaved A B C C B A (default: 2)")
-    ap.add_argument("--seed", type=int, default=0, help="repeat i runs workload seed SEED + i")
-    ap.add_argument("--engine-args", default="",
-                    help="engine flags for every run, e.g. '--dtype bfloat16'")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads")
-    ap.add_argument("--out", type=Path, default=Path("results/sessions.json"))
-    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    add_inprocess_args(ap, Path("results/sessions.json"), "--dtype bfloat16")
     return ap.parse_args(argv)
 
 
@@ -326,8 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bench": {**bench.__dict__, "tool_time": bench.tool_time, "arms": bench.arms(),
                   "page_size": runs.runner.page_size},
         "repeats": args.repeats, "seed": args.seed,
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine_info(),
         **out,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

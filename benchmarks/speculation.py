@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import shlex
 import sys
 import time
@@ -44,11 +43,10 @@ import torch
 from tqdm import tqdm
 
 from hlserve.coding_workload import CodingWorkload
-from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
-from hlserve.driver.repeats import RepeatPlan, run_repeats
+from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.one_model import OneModel
+from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
 from hlserve.engine.args import parse_engine_args
-from hlserve.llm import engine_config, engine_on
-from hlserve.runner.torch_runner import TorchRunner
 from hlserve.stats import fmt_ci
 from hlserve.workloads import AgentWorkload
 
@@ -87,17 +85,11 @@ class Runs:
 
     def __init__(self, bench: Bench) -> None:
         self.bench = bench
-        self.base = {"mode": "throughput", **bench.engine}
-        self.runner = TorchRunner(engine_config(bench.model, **self.base))
+        self.model = OneModel(bench.model, {"mode": "throughput", **bench.engine})
+        self.runner = self.model.runner
 
     def engine(self, arm: dict[str, Any]) -> Any:
-        config = engine_config(self.bench.model, **{**self.base, **arm})
-        engine = engine_on(config, runner=lambda _cfg: self.runner)
-        # warm-up outside the measurement: a prompt without repeats (nothing to draft)
-        engine.add_request(list(range(1000, 1040)), greedy(4))
-        while engine.has_unfinished():
-            engine.step()
-        return engine
+        return self.model.engine(arm)
 
     def sessions(self, workload: str, n: int, seed: int, engine: Any) -> list[Any]:
         b = self.bench
@@ -296,14 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default: 3)")
     ap.add_argument("--fixed-k", action="store_true",
                     help="a third arm: k fixed every step (speculative_adaptive off)")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="runs per arm, interleaved A B B A (default: 2)")
-    ap.add_argument("--seed", type=int, default=0, help="repeat i runs workload seed SEED + i")
-    ap.add_argument("--engine-args", default="",
-                    help="engine flags for every run, e.g. '--kv-cache-gb 4 --dtype bfloat16'")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads")
-    ap.add_argument("--out", type=Path, default=Path("results/speculation.json"))
-    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    add_inprocess_args(ap, Path("results/speculation.json"), "--kv-cache-gb 4 --dtype bfloat16")
     return ap.parse_args(argv)
 
 
@@ -324,8 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python " + shlex.join(["benchmarks/speculation.py", *sys.argv[1:]]),
         "bench": {**bench.__dict__, "arms": bench.arms()},
         "repeats": args.repeats, "seed": args.seed,
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine_info(),
         "acceptance_profile": workload_profiles(points),
         "profiles": sim_profiles(points),  # what the simulated study reads
         "points": points,

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from hlserve.stats import clean, mean_ci, ratio_verdict
@@ -194,3 +196,25 @@ def add_repeat_args(p: argparse.ArgumentParser, ray: bool = False, default: int 
         g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                        help="run every point and repeat as a Ray task: no ADDRESS starts a "
                             "local Ray, an ADDRESS (e.g. ray://head:10001, auto) joins a cluster")
+
+
+def add_inprocess_args(p: argparse.ArgumentParser, out: Path, engine_example: str) -> None:
+    """The flags every in-process A/B benchmark on one loaded model shares (benchmarks/
+    speculation.py, benchmarks/sessions.py): repeats and their seeds, engine flags for every
+    run, torch threads, the JSON out file, the progress bar."""
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per arm, interleaved and mirrored (A B B A) (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="repeat i runs workload seed SEED + i")
+    p.add_argument("--engine-args", default="",
+                   help=f"engine flags for every run, e.g. '{engine_example}'")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a benchmark ran, for its JSON: the platform, torch's threads and version."""
+    import torch  # the caller's runs loaded it already
+
+    return {"platform": platform.platform(), "cpus": torch.get_num_threads(),
+            "torch": torch.__version__}

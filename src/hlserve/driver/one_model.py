@@ -1,0 +1,32 @@
+"""One model load for a whole in-process A/B benchmark (benchmarks/speculation.py,
+benchmarks/sessions.py): every run gets a fresh engine (its own KV manager, prefix cache,
+sessions and statistics) on the same runner, whose KV tensors a new engine simply
+overwrites, so arms differ in engine options only and no run inherits another's cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hlserve.driver.closed_loop import greedy
+from hlserve.engine.engine import Engine
+from hlserve.llm import engine_config, engine_on
+from hlserve.runner.torch_runner import TorchRunner
+
+
+class OneModel:
+    """``base``: engine options of every run; an arm's options go on top of them."""
+
+    def __init__(self, model: str, base: dict[str, Any]) -> None:
+        self.model = model
+        self.base = base
+        self.runner = TorchRunner(engine_config(model, **base))
+
+    def engine(self, arm: dict[str, Any]) -> Engine:
+        """A fresh engine with ``arm``'s options, warmed outside any measurement by one short
+        request of no session whose prompt has no repeats (nothing to draft)."""
+        config = engine_config(self.model, **{**self.base, **arm})
+        engine = engine_on(config, runner=lambda _cfg: self.runner)
+        engine.add_request(list(range(1000, 1040)), greedy(4))
+        while engine.has_unfinished():
+            engine.step()
+        return engine
