@@ -37,6 +37,11 @@ class ScheduledSeq:
         return self.end - len(self.draft) == self.request.num_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """One query row over a context: a plain decode, no draft."""
+        return self.num_tokens == 1 and self.start > 0
+
+    @property
     def decode_rows(self) -> int:
         """Query rows the decode attention paths can take, one decode each: 1 for a decode,
         1 + k for a speculating one (row i attends to the context and rows 0..i, which is
