@@ -76,9 +76,6 @@ BASELINE = "lpm"
 RATIO_METRICS = ("total_token_throughput", "session_completion_p50_s")
 
 
-arm_options = session_arm_options  # on top of throughput mode
-
-
 @dataclass(frozen=True)
 class Bench:
     """What every run shares: the model, the workload's shape, the pool, the arms."""
@@ -106,7 +103,7 @@ class Bench:
         return f"lognormal:{self.tool_median:g}:{self.sigma:g}"
 
     def arms(self) -> dict[str, dict[str, Any]]:
-        return {a: arm_options(a, self.tool_median, self.ttl_factor, self.ttl_policy)
+        return {a: session_arm_options(a, self.tool_median, self.ttl_factor, self.ttl_policy)
                 for a in self.arm_names}
 
     def workload(self, seed: int) -> AgentWorkload:

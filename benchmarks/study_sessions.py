@@ -62,9 +62,6 @@ class Cell:
         return f"tool{self.median:g}_n{self.sessions}_{self.arm}_seed{self.seed}"
 
 
-arm_options = session_arm_options  # on top of the study's ``hlserve`` system
-
-
 def run_cell(args: tuple[dict[str, Any], Cell]) -> tuple[str, dict[str, Any]]:
     """One point's record (module level: it runs in a worker process)."""
     conf, cell = args
@@ -72,7 +69,7 @@ def run_cell(args: tuple[dict[str, Any], Cell]) -> tuple[str, dict[str, Any]]:
                      duration=conf["duration"], warmup=conf["warmup"], rounds=conf["rounds"],
                      wall_limit=conf["wall_limit"], seed=cell.seed,
                      tool_time=f"lognormal:{cell.median:g}:{conf['sigma']:g}")
-    opts = arm_options(cell.arm, cell.median, conf["ttl_factor"], conf["ttl_policy"])
+    opts = session_arm_options(cell.arm, cell.median, conf["ttl_factor"], conf["ttl_policy"])
     rec = run_point(spec, Point("hlserve", None, conf["context"], cell.sessions), opts)
     rec["cell"] = dataclasses.asdict(cell)
     return cell.key, rec
@@ -169,7 +166,7 @@ def main() -> None:
                                           "wall_limit")}
     arms = [a for a in args.arms.split(",") if a]
     for a in arms:
-        arm_options(a, 1.0, args.ttl_factor, args.ttl_policy)  # an unknown arm fails now
+        session_arm_options(a, 1.0, args.ttl_factor, args.ttl_policy)  # an unknown arm fails now
     cells = [Cell(m, n, a, s) for m in args.tool_medians for n in args.sessions for a in arms
              for s in range(args.seeds)]
     state: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}

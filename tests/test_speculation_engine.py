@@ -24,6 +24,7 @@ from hlserve import LLM, SamplingParams
 from hlserve.engine.args import make_config, parse_engine_args
 from hlserve.server.launch import ExternalServer, free_port
 from servers import BASE_ARGS, metric
+from support import hf_greedy
 
 MAX_NEW = 24
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -32,15 +33,6 @@ SPEC = {m: {"method": m, "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 SPEC["suffix"] = {"method": "suffix", "num_speculative_tokens": 3}
 CONFIGS = {"default": {}, "throughput": {"mode": "throughput"},
            "chunk8": {"chunk_size": 8, "page_size": 4}}
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' forward, one full pass per token, argmax (tests/test_correctness.py)."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def prompts(vocab: int) -> list[list[int]]:

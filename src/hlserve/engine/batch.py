@@ -52,7 +52,7 @@ class ScheduledSeq:
     @property
     def is_prefill(self) -> bool:
         """Prompt (or recomputed) tokens: neither a decode nor a speculating decode."""
-        return not self.draft and not (self.num_tokens == 1 and self.start > 0)
+        return not self.decode_rows
 
 
 @dataclass
