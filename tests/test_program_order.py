@@ -96,16 +96,21 @@ def test_aging_limit_puts_a_starved_new_session_first() -> None:
     assert first_turn(_program(kv, aging_steps=10**9)) is None, "without aging it starves"
 
 
-def test_aged_requests_go_by_arrival_ahead_of_both_classes() -> None:
+def test_aged_requests_go_ahead_of_both_classes_in_lpm_order_not_by_arrival() -> None:
+    """Past the aging limit a request goes first, and the aged go by cached prefix: by arrival
+    they would be FCFS, which in overload (most of the queue aged) loses LPM's cache hits
+    (docs/study.md, section 9)."""
     kv = KVCacheManager(64, PS)
+    hot = list(range(32))
+    _cache(kv, hot, "warm")
     order = _program(kv, aging_steps=5)
     order.admitted(_req([0], 0.0, session="a"))
-    old_new = _req([30, 31], 2.0, session="n")
+    old_new = _req([*hot, 30, 31], 2.0, session="n")  # arrived later, its prefix cached
     old_plain = _req([40, 41], 1.0)
-    assert list(order.order([old_new, old_plain], 0)) == [old_plain, old_new]
+    assert list(order.order([old_new, old_plain], 0)) == [old_new, old_plain]
     nxt = _req([50, 51], 3.0, session="a")
-    assert list(order.order([old_new, old_plain, nxt], 4)) == [nxt, old_plain, old_new]
-    assert list(order.order([old_new, old_plain, nxt], 5)) == [old_plain, old_new, nxt]
+    assert list(order.order([old_new, old_plain, nxt], 4)) == [nxt, old_new, old_plain]
+    assert list(order.order([old_new, old_plain, nxt], 5)) == [old_new, old_plain, nxt]
 
 
 def test_order_program_is_a_flag_and_builds_program_order_over_lpm() -> None:

@@ -100,12 +100,14 @@ class ProgramOrder(OrderPolicy):
     and a program that has started is finished before new ones start.
 
     Three classes, in this order: requests that have waited ``aging_steps`` iterations or
-    more (by arrival: the aging limit that keeps every request starvation-free, whatever
-    its class); the next rounds of started sessions (a request whose session has had a
-    round admitted before); everything else (new sessions' first rounds, requests with no
-    session). Within the last two, ``inner``'s order (hlserve: LPM, longest cached prefix).
-    A session counts as started from its first admitted round; the most recent
-    ``MAX_SESSIONS`` are remembered.
+    more (the aging limit that keeps every request starvation-free, whatever its class);
+    the next rounds of started sessions (a request whose session has had a round admitted
+    before); everything else (new sessions' first rounds, requests with no session). Each
+    class in ``inner``'s order (hlserve: LPM, longest cached prefix, with its own aging).
+    The aged class is not ordered by arrival: in overload most of the queue passes the limit,
+    and arrival order there is FCFS, which loses the cache hits LPM keeps (docs/study.md,
+    section 9: 0.59x of LPM at 64K and 128 sessions before this). A session counts as
+    started from its first admitted round; the most recent ``MAX_SESSIONS`` are remembered.
     """
 
     def __init__(self, inner: OrderPolicy, aging_steps: int) -> None:
@@ -121,15 +123,17 @@ class ProgramOrder(OrderPolicy):
         ranked = self.inner.order(waiting, step)
         if len(waiting) == 1:
             return ranked
-        aged = [r for r in waiting if step - since[r.request_id] >= self.aging_steps]
-        aged.sort(key=lambda r: r.arrival_time)
-        skip, started = set(aged), self.started
+        limit, started = self.aging_steps, self.started
+        aged: list[Request] = []
         nxt: list[Request] = []
         fresh: list[Request] = []
         for r in ranked:
-            if r in skip:
-                continue
-            (nxt if r.session is not None and r.session in started else fresh).append(r)
+            if step - since[r.request_id] >= limit:
+                aged.append(r)
+            elif r.session is not None and r.session in started:
+                nxt.append(r)
+            else:
+                fresh.append(r)
         return chain(aged, nxt, fresh)
 
     def admitted(self, req: Request) -> None:
@@ -143,9 +147,6 @@ class ProgramOrder(OrderPolicy):
     def forget(self, req: Request) -> None:
         self._since.pop(req.request_id, None)
         self.inner.forget(req)
-
-
-
 
 
 def interactive_first(waiting: list[Any], is_interactive: Callable[[Any], bool],
