@@ -96,21 +96,27 @@ def test_aging_limit_puts_a_starved_new_session_first() -> None:
     assert first_turn(_program(kv, aging_steps=10**9)) is None, "without aging it starves"
 
 
-def test_aged_requests_go_ahead_of_both_classes_in_lpm_order_not_by_arrival() -> None:
-    """Past the aging limit a request goes first, and the aged go by cached prefix: by arrival
-    they would be FCFS, which in overload (most of the queue aged) loses LPM's cache hits
+def test_aged_requests_join_the_next_rounds_in_lpm_order() -> None:
+    """Past the aging limit a new session's round joins the started sessions' class, and that
+    class stays in LPM's order: an aged round ahead of a cached one (by arrival, or as a
+    class of its own) would be FCFS-like in overload, where most of the queue is aged
     (docs/study.md, section 9)."""
     kv = KVCacheManager(64, PS)
     hot = list(range(32))
     _cache(kv, hot, "warm")
     order = _program(kv, aging_steps=5)
     order.admitted(_req([0], 0.0, session="a"))
-    old_new = _req([*hot, 30, 31], 2.0, session="n")  # arrived later, its prefix cached
-    old_plain = _req([40, 41], 1.0)
-    assert list(order.order([old_new, old_plain], 0)) == [old_new, old_plain]
-    nxt = _req([50, 51], 3.0, session="a")
-    assert list(order.order([old_new, old_plain, nxt], 4)) == [nxt, old_new, old_plain]
-    assert list(order.order([old_new, old_plain, nxt], 5)) == [old_new, old_plain, nxt]
+    order.admitted(_req([0], 0.0, session="b"))
+    old_cold = _req([40, 41], 1.0)  # no session, nothing cached, the earliest
+    old_warm = _req([*hot[:8], 30, 31], 2.0, session="n")  # a new session, 8 tokens cached
+    nxt_hot = _req([*hot, 50, 51], 3.0, session="a")  # a next round, 32 cached
+    nxt_cold = _req([60, 61], 4.0, session="b")  # a next round, nothing cached
+    waiting = [old_cold, old_warm, nxt_hot, nxt_cold]
+    for _ in order.order(waiting, 0):
+        pass
+    assert list(order.order(waiting, 4)) == [nxt_hot, nxt_cold, old_warm, old_cold]
+    # aged, the two no-session or new-session rounds join; ties by arrival
+    assert list(order.order(waiting, 5)) == [nxt_hot, old_warm, old_cold, nxt_cold]
 
 
 def test_order_program_is_a_flag_and_builds_program_order_over_lpm() -> None:
@@ -170,12 +176,15 @@ def test_engine_admits_the_next_round_before_a_new_session_on_the_real_model(
 
 
 def test_engine_aging_limit_admits_a_new_session_under_a_stream_of_next_rounds() -> None:
-    """One running slot, and a next round of a started session always waiting: a new
-    session is admitted once it has waited the aging limit (not before), never without it."""
+    """One running slot, and a next round of a started session always waiting (a page of it
+    cached): a new session is admitted once it has waited the aging limit (not before), never
+    without it. Past the limit it is ranked with the next rounds by LPM, so LPM's own aging
+    (throughput mode's 4 tokens an iteration) is what then lifts it over their cached page:
+    with none, a cold request can wait forever, as under plain LPM."""
 
-    def wait_of_new(limit: int, horizon: int = 120) -> int | None:
+    def wait_of_new(limit: int, horizon: int = 120, lpm_aging: float = 1.0) -> int | None:
         cfg = EngineConfig(model="-", check_invariants=True, page_size=PS, order="program",
-                           max_num_seqs=1, program_aging_steps=limit)
+                           max_num_seqs=1, program_aging_steps=limit, lpm_aging=lpm_aging)
         engine = Engine(cfg, HistoryRunner(256, PS, 2e-3, 1e-4, check=False), clock=VirtualClock())
         engine.add_request([1, 2, 3, 4, 5], params(1), session_id="s")
         _drain(engine)
@@ -194,3 +203,4 @@ def test_engine_aging_limit_admits_a_new_session_under_a_stream_of_next_rounds()
     waited = wait_of_new(10)
     assert waited is not None and 10 <= waited <= 14
     assert wait_of_new(10**6) is None
+    assert wait_of_new(10, lpm_aging=0.0) is None

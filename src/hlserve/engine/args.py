@@ -61,7 +61,8 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
     "lpm_aging": (["--lpm-aging"], "LPM aging, tokens per iteration waited"),
     "program_aging_steps": (["--program-aging-steps"], "--order program: a request waiting "
-                            "this many iterations goes first, whatever its session"),
+                            "this many iterations joins the next rounds of started "
+                            "sessions (ahead of new ones)"),
     "session_ttl": (["--session-ttl"], "seconds an agent session's pages are retained after "
                     "a round (evicted after plain cached pages); 'none': off"),
     "session_ttl_policy": (["--session-ttl-policy"], "fixed | learned (per session, from its "

@@ -99,15 +99,17 @@ class ProgramOrder(OrderPolicy):
     """Program-level ordering (Continuum, arXiv 2511.02230): an agent session is one program,
     and a program that has started is finished before new ones start.
 
-    Three classes, in this order: requests that have waited ``aging_steps`` iterations or
-    more (the aging limit that keeps every request starvation-free, whatever its class);
-    the next rounds of started sessions (a request whose session has had a round admitted
-    before); everything else (new sessions' first rounds, requests with no session). Each
-    class in ``inner``'s order (hlserve: LPM, longest cached prefix, with its own aging).
-    The aged class is not ordered by arrival: in overload most of the queue passes the limit,
-    and arrival order there is FCFS, which loses the cache hits LPM keeps (docs/study.md,
-    section 9: 0.59x of LPM at 64K and 128 sessions before this). A session counts as
-    started from its first admitted round; the most recent ``MAX_SESSIONS`` are remembered.
+    Two classes, each in ``inner``'s order (hlserve: LPM, longest cached prefix, with its
+    own aging): first the next rounds of started sessions (a request whose session has had a
+    round admitted before) and every request that has waited ``aging_steps`` iterations or
+    more; then the rest (new sessions' first rounds, requests with no session). The aging
+    limit keeps a new session from waiting forever behind a stream of next rounds; the aged
+    do not go ahead of the class they join. An aged class ahead of both, by arrival or even
+    in LPM's order, is FCFS-like in overload, where most of the queue passes the limit: it
+    puts the rounds whose pages were evicted ahead of the ones whose context is cached, and
+    the pool thrashes (docs/study.md, section 9: 0.59x of LPM at 64K and 128 sessions). A
+    session counts as started from its first admitted round; the most recent
+    ``MAX_SESSIONS`` are remembered.
     """
 
     def __init__(self, inner: OrderPolicy, aging_steps: int) -> None:
@@ -124,17 +126,15 @@ class ProgramOrder(OrderPolicy):
         if len(waiting) == 1:
             return ranked
         limit, started = self.aging_steps, self.started
-        aged: list[Request] = []
-        nxt: list[Request] = []
-        fresh: list[Request] = []
+        first: list[Request] = []
+        rest: list[Request] = []
         for r in ranked:
-            if step - since[r.request_id] >= limit:
-                aged.append(r)
-            elif r.session is not None and r.session in started:
-                nxt.append(r)
+            if (r.session is not None and r.session in started) \
+                    or step - since[r.request_id] >= limit:
+                first.append(r)
             else:
-                fresh.append(r)
-        return chain(aged, nxt, fresh)
+                rest.append(r)
+        return chain(first, rest)
 
     def admitted(self, req: Request) -> None:
         if req.session is not None:
