@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from hlserve.engine.spec_decode import ContextView
 from hlserve.engine.speculation import (
+    ContextView,
     CountTrie,
     NgramIndex,
     NgramSpeculator,
@@ -74,6 +74,13 @@ def test_the_index_proposes_what_the_scan_does(ctx: list[int], data: st.DataObje
     assert spec.propose("r", ctx, k) == ngram_propose(ctx, k, nmin, nmax)
     spec.finish("r")
     assert spec._index == {}  # nothing kept after a request ends
+    # the engine's call: prompt and output apart, the output growing (a few tokens a step,
+    # one token a plain decode step: the inlined path)
+    split = data.draw(st.integers(0, len(ctx)))
+    prompt, output = ctx[:split], []
+    for end in [*(c for c in cuts if c >= split), *range(max(split, len(ctx) - 3), len(ctx) + 1)]:
+        output[:] = ctx[split:end]
+        assert spec.draft("r", prompt, output, k) == ngram_propose(ctx[:end], k, nmin, nmax)
 
 
 @settings(max_examples=200, deadline=None)

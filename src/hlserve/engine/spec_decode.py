@@ -24,9 +24,7 @@ before the drafts, and :meth:`SpecDecoder.observe_step` with the step's time.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import overload
 
 from hlserve.engine.spec_adaptive import AdaptiveK
 from hlserve.engine.speculation import SpeculativeConfig, Speculator, make_speculator
@@ -70,45 +68,6 @@ def speculates(req: Request) -> bool:
             and not p.adjusts_logits and p.thinking is None)
 
 
-class ContextView(Sequence[int]):
-    """A request's prompt and output read as one sequence without joining them: a draft is
-    asked for every decode step, and ``all_token_ids`` copies the whole context each time
-    (the speculators read only what was appended, or the last few tokens)."""
-
-    __slots__ = ("n", "output", "prompt")
-
-    def __init__(self, prompt: list[int], output: list[int]) -> None:
-        self.prompt, self.output = prompt, output
-        self.n = len(prompt) + len(output)  # read while the request cannot grow
-
-    def __len__(self) -> int:
-        return self.n
-
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[int]: ...
-
-    def __getitem__(self, i: int | slice) -> int | list[int]:
-        n = len(self.prompt)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                return (self.prompt + self.output)[i]
-            if stop <= start:
-                return []
-            if stop <= n:
-                return self.prompt[start:stop]
-            if start >= n:
-                return self.output[start - n:stop - n]
-            return self.prompt[start:] + self.output[:stop - n]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self.prompt[i] if i < n else self.output[i - n]
-
-
 class SpecDecoder:
     """The engine's speculation: the config, its speculator and the counters."""
 
@@ -121,6 +80,7 @@ class SpecDecoder:
                                adaptive=self.adaptive)
         self._step_k = self.k  # this step's k (begin_step); fixed k without adaptive
         self._probe = False  # one request of this step may still draft k_max (a probe)
+        self._eligible: dict[str, bool] = {}  # speculates(req), once per request
 
     @classmethod
     def from_json(cls, text: str | None, adaptive: bool = False) -> SpecDecoder | None:
@@ -161,18 +121,21 @@ class SpecDecoder:
     def draft(self, req: Request, limit: float, max_model_len: int) -> list[int]:
         """Up to ``limit`` (the budget the step's decodes leave) draft tokens for a decoding
         request, never more than it can still emit (the step emits up to 1 + k tokens)."""
-        if not speculates(req):
+        rid = req.request_id
+        ok = self._eligible.get(rid)
+        if ok is None:  # a request's params and grammar do not change while it runs
+            ok = self._eligible[rid] = speculates(req)
+        if not ok:
             return []
-        left = min(req.params.max_tokens - len(req.output_token_ids),
-                   max_model_len - req.num_tokens)
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        left = min(req.params.max_tokens - len(output),
+                   max_model_len - len(prompt) - len(output))
         probing = self._step_k == 0 and self._probe
         k = int(min(self.k if probing else self._step_k, limit, left - 1))
         if k <= 0:
             return []
-        context = ContextView(req.prompt_token_ids, req.output_token_ids)
-        self.speculator.observe(req.request_id, context, len(req.prompt_token_ids))
         self.stats.num_lookups += 1
-        draft = self.speculator.propose(req.request_id, context, k)[:k]
+        draft = self.speculator.draft(rid, prompt, output, k)[:k]
         if self.adaptive is not None:
             self.adaptive.observe_lookup(k, len(draft))
             if draft and probing:
@@ -186,4 +149,5 @@ class SpecDecoder:
             self.adaptive.observe_draft(num_draft, num_accepted)
 
     def finish(self, request_id: str) -> None:
+        self._eligible.pop(request_id, None)
         self.speculator.finish(request_id)

@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from hlserve.errors import InvalidRequestError
 
@@ -86,6 +86,45 @@ class SpeculativeConfig:
         return cls(**data)
 
 
+class ContextView(Sequence[int]):
+    """A request's prompt and output read as one sequence without joining them: a draft is
+    asked for every decode step, and ``all_token_ids`` copies the whole context each time
+    (the speculators read only what was appended, or the last few tokens)."""
+
+    __slots__ = ("n", "output", "prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+        self.n = len(prompt) + len(output)  # read while the request cannot grow
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return (self.prompt + self.output)[i]
+            if stop <= start:
+                return []
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n:stop - n]
+            return self.prompt[start:] + self.output[:stop - n]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.prompt[i] if i < n else self.output[i - n]
+
+
 class Speculator(abc.ABC):
     """Proposes draft tokens for a request from its context (prompt + output so far)."""
 
@@ -100,6 +139,14 @@ class Speculator(abc.ABC):
 
     def finish(self, request_id: str) -> None:  # noqa: B027
         """The request ended."""
+
+    def draft(self, request_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+        """``observe`` then ``propose`` over the context ``prompt + output``, not joined: the
+        engine's call, once per decoding request per step (a speculator may do both at
+        once, as :class:`NgramSpeculator` does)."""
+        context = ContextView(prompt, output)
+        self.observe(request_id, context, len(prompt))
+        return self.propose(request_id, context, k)
 
 
 @dataclass
@@ -127,6 +174,13 @@ class NgramSpeculator(Speculator):
             index = self._index[request_id]
         return index.propose(k, self.prompt_lookup_max)
 
+    def draft(self, request_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+        # the engine's per-step call: no view, the index reads the two lists' new tail itself
+        index = self._index.get(request_id)
+        if index is None:
+            index = self._index[request_id] = NgramIndex(self.prompt_lookup_min)
+        return index.draft(prompt, output, k, self.prompt_lookup_max)
+
     def finish(self, request_id: str) -> None:
         self._index.pop(request_id, None)
 
@@ -153,6 +207,19 @@ class NgramIndex:
         if len(context) > len(self.tokens):
             self.tokens.extend(context[len(self.tokens):])
 
+    def extend_parts(self, prompt: list[int], output: list[int]) -> None:
+        """:meth:`extend` for the context ``prompt + output`` without joining them."""
+        t = self.tokens
+        have, p = len(t), len(prompt)
+        if have > p + len(output):
+            self.__init__(self.nmin)  # type: ignore[misc]
+            t, have = self.tokens, 0
+        if have < p:
+            t.extend(prompt[have:])
+            have = p
+        if have - p < len(output):
+            t.extend(output[have - p:])
+
     def _index_to(self, last: int) -> None:
         """Index the n-grams ending at positions up to ``last``: ~1 us a token, once (a
         position seen once is an int, a list only from its second occurrence: 4 MB per 32K
@@ -175,13 +242,31 @@ class NgramIndex:
                 at.append(e)
         self.indexed = last
 
+    def draft(self, prompt: list[int], output: list[int], k: int, nmax: int) -> list[int]:
+        """:meth:`extend_parts` then :meth:`propose`: the engine's per-step call."""
+        if len(self.tokens) != len(prompt) + len(output):
+            self.extend_parts(prompt, output)
+        return self.propose(k, nmax)
+
     def propose(self, k: int, nmax: int) -> list[int]:
         t, n = self.tokens, self.nmin
         size = len(t)
         if k <= 0 or size < n + 1:
             return []
         # the suffix's own occurrence (ending at the last token) has nothing after it
-        self._index_to(size - 2)
+        last = size - 2
+        if last == self.indexed + 1:  # a plain decode step's one new n-gram, inlined: this
+            key = tuple(t[last - n + 1:size - 1])  # runs per decoding request per step
+            at = self.ends.get(key)
+            if at is None:
+                self.ends[key] = last
+            elif type(at) is int:
+                self.ends[key] = [at, last]
+            else:
+                at.append(last)
+            self.indexed = last
+        else:
+            self._index_to(last)
         at = self.ends.get(tuple(t[size - n:]))
         if at is None:
             return []
