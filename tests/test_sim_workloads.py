@@ -13,6 +13,7 @@ from hlserve.driver.closed_loop import run_closed_loop
 from hlserve.sim.build import build_sim_engine
 from hlserve.sim.drive import run_open_loop
 from hlserve.sim.fitting import find_data_dir
+from hlserve.tool_time import ToolTime, parse_tool_time
 from hlserve.workloads import (
     BLOCK,
     AgentWorkload,
@@ -118,3 +119,30 @@ def test_agent_workload_distributions() -> None:
     # the original API: tuple ranges, fixed rounds
     legacy = AgentWorkload(sessions=2, rounds=3).sessions_list()
     assert len(legacy) == 2 and legacy[0].context[:512] == legacy[1].context[:512]
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 50.0])
+def test_closed_trace_replay_waits_out_the_recorded_gaps(tmp_path, time_scale: float) -> None:
+    """``--tool-time recorded``: a chain's next round is sent its recorded gap (over the time
+    scale) after the previous round was sent, or at once when serving took longer, on the
+    one closed-loop driver (the simulator's here, the HTTP bench's too)."""
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, ROWS)
+    tr = MooncakeTrace.load(path, vocab=(3, 150000))
+    sessions = trace_sessions(ScaledTrace(tr, 1.0), sessions=5, tool_time=ToolTime("recorded"),
+                              time_scale=time_scale)
+    assert sessions[0].gaps == pytest.approx([1.0 / time_scale, 0.5 / time_scale])
+    e = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", check_invariants=True)
+    res = run_closed_loop(e, sessions.__getitem__, len(sessions))
+    by = {r.round: r for r in res.records}
+    for r, gap in ((1, 1.0), (2, 0.5)):
+        prev = by[r - 1]
+        assert by[r].start == pytest.approx(max(prev.end, prev.start + gap / time_scale))
+    waited = [by[r].start > by[r - 1].end + 1e-9 for r in (1, 2)]
+    assert waited == ([True, True] if time_scale == 1.0 else [False, False])
+
+
+def test_recorded_tool_time_needs_a_trace() -> None:
+    with pytest.raises(ValueError, match="needs a trace"):
+        AgentWorkload(sessions=2, tool_time=parse_tool_time("recorded"))
+    assert parse_tool_time("recorded").spec == "recorded"

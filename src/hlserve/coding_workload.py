@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from string import Template
 from typing import Any, Protocol
 
-from hlserve.tool_time import NO_TOOL_TIME, ToolTime, draw_pause, tool_rng
+from hlserve.tool_time import NO_TOOL_TIME, ToolTime, check_drawn, draw_pause, tool_rng
 
 VERBS = ("compute", "load", "parse", "merge", "filter", "count", "build", "find", "update",
          "format", "check", "collect", "group", "scale", "split", "render")
@@ -228,6 +228,7 @@ class CodingWorkload:
                              f"{self.files_per_round}")
         if self.rounds < 1 or self.max_tokens < 1:
             raise ValueError("rounds and max_tokens must be >= 1")
+        check_drawn(self.tool_time)
 
     @functools.cached_property
     def repo(self) -> Repository:
@@ -283,7 +284,8 @@ class CodingSession:
         self.messages.append({"role": "assistant", "content": text})
         self.round += 1
 
-    def tool_pause(self) -> float:
+    def tool_pause(self, served: float = 0.0) -> float:
         """Seconds the tool call after the round just completed runs before the next round
-        (the agent workload's rule: drawn from the session's own generator)."""
+        (the agent workload's rule: drawn from the session's own generator; ``served`` is
+        not used)."""
         return draw_pause(self.workload.tool_time, self.tool_rng)

@@ -2,8 +2,12 @@
 
 A distribution is named by a spec string: ``fixed:S`` (always S seconds; a bare number means
 the same), ``exp:MEAN``, ``lognormal:MEDIAN:SIGMA`` (the log's standard deviation), or
-``empirical:PATH`` (seconds, one a line, sampled uniformly). ``0`` is no pause: the source
-study's zero-gap workload. Samples come from the caller's ``random.Random``, so a workload
+``empirical:PATH`` (seconds, one a line, sampled uniformly), or ``recorded``: a trace's own
+gaps, for the closed-loop replay of a Mooncake trace's chains only
+(:class:`hlserve.workloads.TraceSession`: the pause before a chain's next round is the
+recorded time between the two requests, divided by the replay's time scale, less what the
+replayed round itself took, at least 0). ``0`` is no pause: the source study's zero-gap
+workload. Samples come from the caller's ``random.Random``, so a workload
 seed fixes them: an agent workload's ``tool_time`` (:class:`hlserve.workloads.AgentWorkload`)
 is drawn per round from each session's own tool-time generator, and every closed-loop driver
 (in-process, simulated, HTTP) waits it out before the session's next round.
@@ -16,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-TOOL_TIME_KINDS = ("fixed", "exp", "lognormal", "empirical")
+TOOL_TIME_KINDS = ("fixed", "exp", "lognormal", "empirical", "recorded")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class ToolTime:
             return f"exp:{self.a:g}"
         if self.kind == "lognormal":
             return f"lognormal:{self.a:g}:{self.b:g}"
+        if self.kind == "recorded":
+            return "recorded"
         return f"empirical:{len(self.values)} values"
 
     def sample(self, rng: random.Random) -> float:
@@ -50,6 +56,9 @@ class ToolTime:
             return rng.expovariate(1.0 / self.a)
         if self.kind == "lognormal":
             return rng.lognormvariate(math.log(self.a), self.b)
+        if self.kind == "recorded":
+            raise ValueError("a 'recorded' tool time is a trace's own gaps: only a trace's "
+                             "chains (TraceSession) have them")
         return rng.choice(self.values)
 
 
@@ -68,11 +77,21 @@ def draw_pause(tool_time: ToolTime, rng: random.Random) -> float:
     return 0.0 if tool_time.is_zero else tool_time.sample(rng)
 
 
+def check_drawn(tool_time: ToolTime) -> None:
+    """A generated workload draws its tool times: ``recorded`` (a trace's gaps) is refused
+    when the workload is made, not at its first tool call."""
+    if tool_time.kind == "recorded":
+        raise ValueError("--tool-time recorded replays a trace's own gaps: it needs a trace's "
+                         "chains (--trace FILE with the agent workload)")
+
+
 def parse_tool_time(spec: str | float) -> ToolTime:
     """A spec (module docstring) as a :class:`ToolTime`; ValueError says what is wrong."""
     if isinstance(spec, int | float):
         return _checked(ToolTime("fixed", float(spec)))
     kind, _, rest = spec.strip().partition(":")
+    if kind == "recorded" and not rest:
+        return ToolTime("recorded")
     try:
         if not rest:
             return _checked(ToolTime("fixed", float(kind)))

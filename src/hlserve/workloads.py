@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import random
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hlserve.tool_time import NO_TOOL_TIME, ToolTime, draw_pause, tool_rng
+from hlserve.tool_time import NO_TOOL_TIME, ToolTime, check_drawn, draw_pause, tool_rng
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,9 @@ class AgentWorkload:
     # nothing, so the zero-gap workload is the one it always was
     tool_time: ToolTime = NO_TOOL_TIME
 
+    def __post_init__(self) -> None:
+        check_drawn(self.tool_time)
+
     def sessions_list(self) -> list[AgentSession]:
         return [self.make_session(i) for i in range(self.sessions)]
 
@@ -221,9 +225,10 @@ class AgentSession:
         self.context = self.context + list(output_ids)
         self.round += 1
 
-    def tool_pause(self) -> float:
+    def tool_pause(self, served: float = 0.0) -> float:
         """Seconds the tool call after the round just completed runs before the next round
-        is sent (drivers ask once per round that has a next one)."""
+        is sent (drivers ask once per round that has a next one, with the seconds the round
+        took to serve, which only a trace's ``recorded`` gaps use)."""
         return draw_pause(self.workload.tool_time, self.tool_rng)
 
 
@@ -422,6 +427,7 @@ class TraceSession:
     context: list[int] = field(default_factory=list)
     tool_time: ToolTime = NO_TOOL_TIME
     tool_rng: random.Random = field(default_factory=lambda: random.Random(0))
+    gaps: list[float] = field(default_factory=list)  # recorded seconds from round r to r + 1
 
     @property
     def done(self) -> bool:
@@ -440,8 +446,12 @@ class TraceSession:
         self.context = self.context + list(output_ids)
         self.round += 1
 
-    def tool_pause(self) -> float:
-        """As :meth:`AgentSession.tool_pause`."""
+    def tool_pause(self, served: float = 0.0) -> float:
+        """As :meth:`AgentSession.tool_pause`; with a ``recorded`` tool time, the trace's gap
+        from the round just completed to the next, less ``served`` (the seconds the replay
+        took to serve that round: the trace's gap includes its own serving), at least 0."""
+        if self.tool_time.kind == "recorded":
+            return max(0.0, self.gaps[self.round - 1] - served)
         return draw_pause(self.tool_time, self.tool_rng)
 
 
@@ -465,10 +475,11 @@ def chains(trace: MooncakeTrace) -> list[list[int]]:
 
 def trace_sessions(st: ScaledTrace, sessions: int, max_rounds: int | None = None,
                    min_rounds: int = 2, max_len: int | None = None,
-                   min_new: int = 16, tool_time: ToolTime = NO_TOOL_TIME) -> list[TraceSession]:
+                   min_new: int = 16, tool_time: ToolTime = NO_TOOL_TIME,
+                   time_scale: float = 1.0) -> list[TraceSession]:
     """The first ``sessions`` chains with at least ``min_rounds`` rounds, each cut to
     ``max_rounds`` and to the rounds whose projected context fits ``max_len``; ``tool_time``
-    between their rounds."""
+    between their rounds (``recorded``: the chain's own gaps over ``time_scale``)."""
     reqs = st.trace.requests
     out: list[TraceSession] = []
     for chain in chains(st.trace):
@@ -486,8 +497,11 @@ def trace_sessions(st: ScaledTrace, sessions: int, max_rounds: int | None = None
             ctx = n_in + n_out
         if len(spec) < min_rounds:
             continue
+        kept = chain[:len(spec)]
+        gaps = [(reqs[b].timestamp - reqs[a].timestamp) / time_scale
+                for a, b in itertools.pairwise(kept)]
         out.append(TraceSession(len(out), spec, st.prompt(reqs[chain[0]]),
                                 random.Random(st.trace.seed * 7919 + chain[0]),
                                 st.trace.vocab, min_new, tool_time=tool_time,
-                                tool_rng=tool_rng(st.trace.seed, len(out))))
+                                tool_rng=tool_rng(st.trace.seed, len(out)), gaps=gaps))
     return out

@@ -84,7 +84,8 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--tool-time", type=tool_time_arg, default=None, metavar="SPEC",
                    help="agent: the tool call between a round's end and the next round, drawn "
                         "per round from the workload seed: fixed:S (or S), exp:MEAN, "
-                        "lognormal:MEDIAN:SIGMA, empirical:FILE (seconds, one a line) "
+                        "lognormal:MEDIAN:SIGMA, empirical:FILE (seconds, one a line), "
+                        "recorded (with --trace: each chain's own gaps less the round's serving) "
                         "(default: 0, the next round at once)")
     g.add_argument("--repo-files", type=int, default=8,
                    help="coding: files in the shared repository (default: 8)")

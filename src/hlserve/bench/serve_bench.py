@@ -134,7 +134,7 @@ async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec:
                 return
             session.complete(output)
             if not session.done:
-                pause = session.tool_pause()  # the tool call before the next round
+                pause = session.tool_pause(r.end - r.start)  # the tool call before the next round
                 if pause > 0:
                     await asyncio.sleep(pause)
         if r is not None and started is not None:
@@ -197,7 +197,8 @@ def agent_sessions(spec: BenchSpec, info: ServerInfo, chat: ChatCodec | None = N
             "tool_time": spec.tool_time.spec}
     if spec.trace:
         sessions = trace_sessions(_scaled_trace(spec), spec.sessions, spec.rounds,
-                                  max_len=info.max_model_len, tool_time=spec.tool_time)
+                                  max_len=info.max_model_len, tool_time=spec.tool_time,
+                                  time_scale=spec.time_scale)
         if len(sessions) < spec.sessions:
             raise ValueError(f"the trace has only {len(sessions)} chains that fit; asked for "
                              f"{spec.sessions} sessions")

@@ -237,7 +237,7 @@ class _Run:
         if rec.success:
             sess.complete(list(req.output_token_ids))
             if not sess.done:
-                self.after_round(sess)
+                self.after_round(sess, rec.end - rec.start)
                 return
             started = self.session_start.pop(sess.session_id)
             if self.w0 <= self.now() <= self.w1:
@@ -251,10 +251,11 @@ class _Run:
         if self.loop.replace_finished:
             self.start_session()
 
-    def after_round(self, sess: Any) -> None:
+    def after_round(self, sess: Any, served: float) -> None:
         """The session's tool call, then its next round: at once when the call takes no time
-        (the zero-gap loop, unchanged), else queued until it is due."""
-        pause = sess.tool_pause() if hasattr(sess, "tool_pause") else 0.0
+        (the zero-gap loop, unchanged), else queued until it is due. ``served``: the seconds
+        the round took, sent to queued (a trace's recorded gap includes them)."""
+        pause = sess.tool_pause(served) if hasattr(sess, "tool_pause") else 0.0
         if pause <= 0.0:
             self.submit(sess)
             return
