@@ -65,8 +65,8 @@ from hlserve.driver.closed_loop import Loop, run_closed_loop
 from hlserve.driver.one_model import OneModel
 from hlserve.driver.records import session_completion
 from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
+from hlserve.driver.session_arms import SESSION_ARMS, session_arm_options
 from hlserve.engine.args import parse_engine_args
-from hlserve.engine.sessions import SESSION_ARMS, session_arm_options
 from hlserve.stats import fmt_ci
 from hlserve.tool_time import parse_tool_time
 from hlserve.workloads import AgentWorkload, Dist

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hlserve.engine.sessions import SESSION_ARMS, session_arm_options
+from hlserve.driver.session_arms import SESSION_ARMS, session_arm_options
 from hlserve.sim.study.core import Point, StudySpec, run_point
 from hlserve.stats import clean, fmt_ci, mean_ci, ratio_ci
 

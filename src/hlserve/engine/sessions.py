@@ -43,29 +43,6 @@ MAX_SESSIONS = 65536  # sessions remembered; the oldest are forgotten past this
 LEARNED_MARGIN, LEARNED_QUANTILE, LEARNED_CAP = 1.25, 0.9, 4.0
 
 
-# the session policies the benchmarks compare (benchmarks/sessions.py on the real engine,
-# benchmarks/study_sessions.py on the simulator), each on top of throughput mode
-SESSION_ARMS = ("hold+program", "retain+program", "lpm", "fcfs")
-
-
-def session_arm_options(arm: str, median: float, ttl_factor: float = 3.0,
-                        ttl_policy: str = "fixed") -> dict[str, object]:
-    """Engine options of a compared arm: retention for ``ttl_factor`` x the median tool time
-    with program order (and the hold), or none with LPM or FCFS order."""
-    if arm in ("retain+program", "hold+program"):
-        return {"session_ttl": ttl_factor * median, "session_ttl_policy": ttl_policy,
-                "order": "program", "session_hold": arm == "hold+program"}
-    if arm == "retain+lpm":  # the two halves of retain+program, apart (not in SESSION_ARMS)
-        return {"session_ttl": ttl_factor * median, "session_ttl_policy": ttl_policy}
-    if arm == "program":
-        return {"order": "program"}
-    if arm == "lpm":
-        return {}
-    if arm == "fcfs":
-        return {"order": "fcfs"}
-    raise ValueError(f"unknown arm {arm!r}: {', '.join(SESSION_ARMS)}, retain+lpm, program")
-
-
 def session_key(session_id: str | None = None, prompt_cache_key: str | None = None,
                 user: str | None = None, salt: str | None = None) -> str | None:
     """A request's session: the first non-empty of ``session_id``, ``prompt_cache_key``,
