@@ -147,6 +147,31 @@ def test_tool_time_between_rounds(server, tmp_path: Path, capsys) -> None:
     assert f"{res['total_token_throughput']:.0f} tok/s" in out[1]
 
 
+def test_trace_chains_over_http_wait_out_their_recorded_gaps(server, tmp_path: Path) -> None:
+    """``hlserve bench --trace FILE --tool-time recorded``: a chain's next round is sent its
+    recorded gap (over ``--time-scale``) after the round before was sent, so the pause after
+    a round is the gap less what serving the round took."""
+    from hlserve.tool_time import ToolTime
+
+    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 200, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1000, "input_length": 1800, "output_length": 300,
+             "hash_ids": [0, 1, 3, 4]},
+            {"timestamp": 1600, "input_length": 2100, "output_length": 150,
+             "hash_ids": [0, 1, 3, 5, 6]}]
+    trace = tmp_path / "chain.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res = run_bench(small_agent(server.url, tmp_path, sessions=1, rounds=3, trace=str(trace),
+                                length_scale=0.02, time_scale=2.0,
+                                tool_time=ToolTime("recorded")))
+    assert res["tool_time"] == "recorded" and res["sessions_completed"] == 1
+    rounds = sorted(read_jsonl(res["request_file"]), key=lambda r: r["round"])
+    assert [r["output_tokens"] for r in rounds] == [4, 6, 3]  # the trace's lengths x 0.02
+    for (prev, cur), gap in zip(itertools.pairwise(rounds), (0.5, 0.3), strict=True):
+        assert prev["end"] - prev["start"] < gap  # the tiny model serves a round faster
+        assert cur["start"] - prev["start"] >= gap - 0.02
+        assert cur["start"] - prev["end"] < gap  # the gap includes the round's serving
+
+
 def test_think_time_is_fixed_tool_time() -> None:
     from hlserve.bench.cli import bench_spec
     from hlserve.cli import build_parser
