@@ -213,6 +213,30 @@ def turnover_metrics(res: Any, sessions: int) -> dict[str, Any]:
 METRIC = "window_token_throughput"  # tokens served per second in the window (drive.py)
 
 
+# Tokens the engine computed per second: the measured requests' prompt tokens not found in
+# the cache, plus their output tokens, over the window (per request, as vLLM's
+# ``total_token_throughput``, which counts cached prompt tokens too). Derived from a point's
+# stored metrics by :func:`with_computed`; the window's token-by-token count
+# (``window_token_throughput``) has no computed-token twin in the stored points.
+COMPUTED_METRIC = "computed_token_throughput"
+
+
+def computed_token_throughput(r: dict[str, Any]) -> float:
+    """A point's :data:`COMPUTED_METRIC` from its stored metrics (NaN without a duration)."""
+    m = r["metrics"]
+    if not m.get("duration"):
+        return math.nan
+    return (m["total_input_tokens"] - (m.get("cached_tokens") or 0)
+            + m["total_output_tokens"]) / m["duration"]
+
+
+def with_computed(recs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points with :data:`COMPUTED_METRIC` among their metrics (copies: stored points
+    are left as they are), for :func:`human_tax` with ``metric=COMPUTED_METRIC``."""
+    return [{**r, "metrics": {**r["metrics"], COMPUTED_METRIC: computed_token_throughput(r)}}
+            for r in recs]
+
+
 def throughput(r: dict[str, Any], metric: str = METRIC) -> float:
     """A point's throughput (tokens/s served in the window; 0 when it has none)."""
     return shared.throughput(r, metric)
