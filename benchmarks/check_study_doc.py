@@ -387,6 +387,30 @@ def computed_row(s: Study) -> list[float]:
             cached_share(s.seeds, K32)]
 
 
+AT256 = ROOT / "docs" / "study" / "h20-256"  # throughput mode and sglang C=8192 at 256 sessions
+
+
+def at_256(s: Study) -> list[float]:
+    """Section 7.8: throughput (K tok/s) of throughput mode and sglang C=8192 at 128 and 256
+    sessions, 32K then 64K (seed 0), and the 64K peak (64 sessions)."""
+    big = {(r["point"]["context"], r["point"]["system"]): r for r in load_points(AT256)}
+    out = []
+    for ctx in (K32, K64):
+        out += [kthr(s.one(ctx, 128, "hlserve")), kthr(big[(ctx, "hlserve")]),
+                kthr(s.one(ctx, 128, "sglang", 8192)), kthr(big[(ctx, "sglang")])]
+    return [*out, kthr(s.one(K64, 64, "hlserve"))]
+
+
+def cached_256(s: Study) -> list[float]:
+    """Section 7.8: cached share of prompt tokens (%), throughput mode at 32K and 128 / 256
+    sessions, sglang C=8192 at 64K and 256; then the 256 points' turnover span, 32K, 64K."""
+    big = {(r["point"]["context"], r["point"]["system"]): r for r in load_points(AT256)}
+    share = lambda r: 100 * r["metrics"]["cached_tokens"] / r["metrics"]["total_input_tokens"]  # noqa: E731
+    turn = lambda ctx: span(big[(ctx, n)]["metrics"]["turnover"] for n in ("hlserve", "sglang"))  # noqa: E731
+    return [share(s.one(K32, 128, "hlserve")), share(big[(K32, "hlserve")]),
+            share(big[(K64, "sglang")]), *turn(K32), *turn(K64)]
+
+
 def pct_ci(iv: Interval) -> list[float]:
     """Mean and half-width of a tax (%)."""
     hw = 0.0 if iv.ci is None else max(iv.mean - iv.ci[0], iv.ci[1] - iv.mean)
@@ -593,6 +617,13 @@ def section7_claims() -> list[Claim]:
                          *(100 * v for v in seed_tax(s.seeds, K64, (INF, 100.0)).values)]),
         Claim("seeded 32K tax", "The headline holds: 18% at 32K is {} ± {}% over seeds",
               lambda s: pct_ci(seed_tax(s.seeds, K32, PROD))),
+        Claim("256 sessions", "At 32K throughput mode goes from {}K tok/s at 128 sessions to "
+              "{}K at 256, and sglang C=8192 from {}K to {}K; at 64K from {}K to {}K and from "
+              "{}K to {}K, past a peak of {}K", at_256),
+        Claim("256 sessions: cache", "at 32K the prompt tokens served from the cache fall from "
+              "{}% to {}% for throughput mode, and SGLang's default at 64K and 256 sessions keeps "
+              "{}%. The 256-session points are transients (turnover {}-{} at 32K, {}-{} at 64K)",
+              cached_256),
         Claim("computed-token tax", "over computed tokens the 32K tax at the production pair is "
               "{} ± {}%, against {} ± {}% over served tokens counted the same way, per measured "
               "request; {}% of the prompt tokens", computed_row),
