@@ -9,8 +9,10 @@ clock without timing flakiness.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -86,3 +88,26 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+# ---- the Responses API tests' server (test_responses_api.py, test_responses_store.py) -------
+RESPONSES_MODEL = "tiny"
+RESPONSES_ARGS = ["--served-model-name", RESPONSES_MODEL, "--dtype", "float32",
+                  "--max-model-len", "2048", "--max-num-seqs", "8", "--uvicorn-log-level",
+                  "warning", "--cpu-threads", "1", "--tool-call-parser", "hermes",
+                  "--enable-auto-tool-choice"]
+ADD_TOOL = {"type": "function", "name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"], "additionalProperties": False}}
+
+
+@contextlib.contextmanager
+def responses_server(model_dir: Path, tmp: Path, *extra: str) -> Iterator[object]:
+    """A real ``hlserve serve`` of the tiny Qwen2 model with the hermes tool parser, for the
+    Responses API tests; its log must hold no traceback when it stops."""
+    from hlserve.server.launch import ServerProcess
+
+    with ServerProcess(model_dir, [*RESPONSES_ARGS, *extra], log_path=tmp / "server.log") as srv:
+        yield srv
+        assert "Traceback" not in srv.log_text(), srv.log_text()[-4000:]

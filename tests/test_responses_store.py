@@ -15,17 +15,11 @@ import httpx
 import openai
 import pytest
 
-from hlserve.server.launch import ServerProcess
 from hlserve.server.response_store import ResponseStore, StoreLimits, json_size
+from support import ADD_TOOL as ADD
+from support import RESPONSES_MODEL as MODEL
+from support import responses_server
 
-MODEL = "tiny"
-ARGS = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
-        "--max-num-seqs", "8", "--uvicorn-log-level", "warning", "--cpu-threads", "1",
-        "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
-ADD = {"type": "function", "name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["a", "b"], "additionalProperties": False}}
 CHAT_ADD = {"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}
 GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
 KEYS = {"sk-tenant-a": None, "sk-tenant-b": None}
@@ -33,10 +27,8 @@ KEYS = {"sk-tenant-a": None, "sk-tenant-b": None}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("responses_store")
-    with ServerProcess(tiny_model_dirs["qwen2"], ARGS, log_path=tmp / "server.log") as srv:
+    with responses_server(tiny_model_dirs["qwen2"], tmp_path_factory.mktemp("responses_store")) as srv:
         yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +42,9 @@ def keyed(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     tmp = tmp_path_factory.mktemp("responses_store_keyed")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    args = [*ARGS, "--api-keys", str(keys), "--responses-store-max", "2"]
-    with ServerProcess(tiny_model_dirs["qwen2"], args, log_path=tmp / "server.log") as srv:
+    with responses_server(tiny_model_dirs["qwen2"], tmp, "--api-keys", str(keys),
+                          "--responses-store-max", "2") as srv:
         yield srv
-        assert "Traceback" not in srv.log_text(), srv.log_text()[-4000:]
 
 
 def tenant(srv, key: str) -> openai.OpenAI:
