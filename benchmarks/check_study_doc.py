@@ -18,6 +18,7 @@ calibration table) and from FACTS.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import statistics
@@ -371,29 +372,28 @@ def seed_tax(by_seed: dict[int, list[Rec]], ctx: int, slo: tuple[float, float],
     return tax_over_seeds(by_seed, ctx, slo, sessions=sessions, tpot_key=tpot_key)
 
 
-def metric_tax(by_seed: dict[int, list[Rec]], ctx: int, slo: tuple[float, float],
-               metric: str) -> Interval:
-    """The tax per seed (concurrency free) with ``metric`` as the throughput."""
-    return Interval.of((human_tax(with_computed(r for r in recs if r["point"]["context"] == ctx),
-                                  *slo, metric=metric)[0] for recs in by_seed.values()),
-                       (0.0, 1.0))
-
-
 def computed_row(s: Study) -> list[float]:
     """Section 7.7: the 32K production tax over computed tokens, then over served tokens
     counted the same way (per request), then the cached share of prompt tokens."""
-    return [*pct_ci(metric_tax(s.seeds, K32, PROD, COMPUTED_METRIC)),
-            *pct_ci(metric_tax(s.seeds, K32, PROD, "total_token_throughput")),
+    seeds = {seed: with_computed(recs) for seed, recs in s.seeds.items()}
+    return [*pct_ci(tax_over_seeds(seeds, K32, PROD, metric=COMPUTED_METRIC)),
+            *pct_ci(tax_over_seeds(seeds, K32, PROD, metric="total_token_throughput")),
             cached_share(s.seeds, K32)]
 
 
 AT256 = ROOT / "docs" / "study" / "h20-256"  # throughput mode and sglang C=8192 at 256 sessions
 
 
+@functools.cache
+def points_256() -> dict[tuple[int, str], Rec]:
+    """The h20-256 points by (context, system), read once for both claims."""
+    return {(r["point"]["context"], r["point"]["system"]): r for r in load_points(AT256)}
+
+
 def at_256(s: Study) -> list[float]:
     """Section 7.8: throughput (K tok/s) of throughput mode and sglang C=8192 at 128 and 256
     sessions, 32K then 64K (seed 0), and the 64K peak (64 sessions)."""
-    big = {(r["point"]["context"], r["point"]["system"]): r for r in load_points(AT256)}
+    big = points_256()
     out = []
     for ctx in (K32, K64):
         out += [kthr(s.one(ctx, 128, "hlserve")), kthr(big[(ctx, "hlserve")]),
@@ -404,7 +404,7 @@ def at_256(s: Study) -> list[float]:
 def cached_256(s: Study) -> list[float]:
     """Section 7.8: cached share of prompt tokens (%), throughput mode at 32K and 128 / 256
     sessions, sglang C=8192 at 64K and 256; then the 256 points' turnover span, 32K, 64K."""
-    big = {(r["point"]["context"], r["point"]["system"]): r for r in load_points(AT256)}
+    big = points_256()
     share = lambda r: 100 * r["metrics"]["cached_tokens"] / r["metrics"]["total_input_tokens"]  # noqa: E731
     turn = lambda ctx: span(big[(ctx, n)]["metrics"]["turnover"] for n in ("hlserve", "sglang"))  # noqa: E731
     return [share(s.one(K32, 128, "hlserve")), share(big[(K32, "hlserve")]),

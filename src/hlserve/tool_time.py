@@ -56,9 +56,7 @@ class ToolTime:
             return rng.expovariate(1.0 / self.a)
         if self.kind == "lognormal":
             return rng.lognormvariate(math.log(self.a), self.b)
-        if self.kind == "recorded":
-            raise ValueError("a 'recorded' tool time is a trace's own gaps: only a trace's "
-                             "chains (TraceSession) have them")
+        check_drawn(self)
         return rng.choice(self.values)
 
 

@@ -202,12 +202,9 @@ class NgramIndex:
     def extend(self, context: Sequence[int]) -> None:
         """Read what was appended to the context since the last call (a context only grows;
         one that shrank is indexed afresh)."""
-        if len(context) < len(self.tokens):
-            self.__init__(self.nmin)  # type: ignore[misc]
-        if len(context) > len(self.tokens):
-            self.tokens.extend(context[len(self.tokens):])
+        self.extend_parts(context, ())
 
-    def extend_parts(self, prompt: list[int], output: list[int]) -> None:
+    def extend_parts(self, prompt: Sequence[int], output: Sequence[int]) -> None:
         """:meth:`extend` for the context ``prompt + output`` without joining them."""
         t = self.tokens
         have, p = len(t), len(prompt)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.points import meets_slo
-from hlserve.sim.study.core import PRODUCTION_SLO, STRICT_SLO, human_tax, throughput
+from hlserve.sim.study.core import METRIC, PRODUCTION_SLO, STRICT_SLO, human_tax, throughput
 from hlserve.stats import RatioVerdict, clean, fmt_ci, mean_ci, ratio_verdict
 
 Rec = dict[str, Any]
@@ -84,13 +84,15 @@ def _at(recs: list[Rec], ctx: int, sessions: int | None) -> list[Rec]:
 
 
 def tax_over_seeds(by_seed: dict[int, list[Rec]], ctx: int, slo: tuple[float, float],
-                   sessions: int | None = None, tpot_key: str = "p99_tpot_ms") -> Interval:
+                   sessions: int | None = None, tpot_key: str = "p99_tpot_ms",
+                   metric: str = METRIC) -> Interval:
     """The tax at ``slo`` per seed (concurrency free when ``sessions`` is None); ``tpot_key``
-    ``p99_itl_ms`` holds the stream's gaps, not its mean pace, to the per-token target."""
+    ``p99_itl_ms`` holds the stream's gaps, not its mean pace, to the per-token target;
+    ``metric`` is the throughput ranked (``COMPUTED_METRIC`` needs ``with_computed`` points)."""
     def tax(recs: list[Rec]) -> float:
         if not any(r["metrics"].get(tpot_key) is not None for r in recs):
             return math.nan  # a seed stored before the metric was recorded: not a 100% tax
-        return human_tax(recs, *slo, tpot_key=tpot_key)[0]
+        return human_tax(recs, *slo, tpot_key=tpot_key, metric=metric)[0]
 
     return Interval.of((tax(_at(recs, ctx, sessions)) for recs in by_seed.values()), (0.0, 1.0))
 
