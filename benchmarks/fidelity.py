@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hlserve.driver.closed_loop import run_closed_loop
+from hlserve.driver.closed_loop import Loop, run_closed_loop
 from hlserve.models.config import ModelConfig
 from hlserve.sim.build import build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
@@ -154,13 +154,27 @@ class _Client:
         self.round += 1
 
 
-def serving_out_tps(data: dict, row: dict, hw: Hardware) -> float:
-    """Output tokens per second of a fixed-concurrency serving run, replayed through the
-    simulated engine (the real scheduler and KV cache on virtual time) with the measured
-    engine's settings: its running-request cap, its KV pool (blocks x tokens per block, as
-    pages of that size), its longest sequence and its prefill tokens per iteration, whole
-    prompts (no chunking), no prefix cache. The clock starts when the clients do, as the
-    measuring script's does."""
+@dataclass(frozen=True)
+class Replay:
+    """A serving replay's measures: output tokens per second (generated tokens over the
+    elapsed time), the median per-token latency (every gap between a request's successive
+    tokens, its first token excluded: the measuring script's ``50%`` column, scored), and,
+    shown with ``--replay``, the mean and 99th-percentile gap and the mean first-token
+    latency (``FTL(ave)``)."""
+
+    out_tps: float
+    p50_token_s: float
+    mean_token_s: float = 0.0
+    p99_token_s: float = 0.0
+    mean_first_token_s: float = 0.0
+
+
+def serving_replay(data: dict, row: dict, hw: Hardware) -> Replay:
+    """A fixed-concurrency serving run replayed through the simulated engine (the real
+    scheduler and KV cache on virtual time) with the measured engine's settings: its
+    running-request cap, its KV pool (blocks x tokens per block, as pages of that size), its
+    longest sequence and its prefill tokens per iteration, whole prompts (no chunking), no
+    prefix cache. The clock starts when the clients do, as the measuring script's does."""
     m = data["models"][row["model"]]
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "config.json"
@@ -171,10 +185,14 @@ def serving_out_tps(data: dict, row: dict, hw: Hardware) -> float:
             max_prefill_tokens=row["max_context_tokens"], chunk_size=None)
         clients = [_Client(i, row["rounds"], row["input"], row["output"])
                    for i in range(row["concurrency"])]
-        result = run_closed_loop(engine, clients.__getitem__, len(clients))
+        result = run_closed_loop(engine, clients.__getitem__, len(clients), Loop(token_times=True))
     tokens = sum(r.output_tokens for r in result.records)
     assert tokens == row["concurrency"] * row["rounds"] * row["output"], row["id"]
-    return tokens / result.duration
+    gaps = sorted(float(b - a) for r in result.records
+                  for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False))
+    first = statistics.mean(r.first - r.start for r in result.records)
+    return Replay(tokens / result.duration, gaps[int(0.5 * len(gaps))], statistics.mean(gaps),
+                  gaps[int(0.99 * len(gaps))], first)
 
 
 def host_ms(cm: CostModel, row: dict) -> float:
@@ -182,16 +200,33 @@ def host_ms(cm: CostModel, row: dict) -> float:
     return 1e3 * (hw.iter_overhead + hw.host_overhead + (hw.seq_overhead + hw.host_seq_overhead) * n)
 
 
-def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
+def _overrides_for(row: dict, hw: Hardware, hw_override: dict) -> dict:
+    """The overrides that apply to one row: plain keys to every row (the prefill-attention
+    length terms to Hopper profiles only, where they were fitted), ``"<engine>:<field>"`` keys
+    only to rows of that engine (a term of the measured engine's kernels, not of the cost
+    model every engine shares)."""
+    out = {}
+    for k, v in hw_override.items():
+        engine, _, name = k.rpartition(":")
+        if engine and not row["engine"].startswith(engine):
+            continue
+        if (name.startswith("attn_len") or name == "attn_eta_compute") and hw.arch != "hopper":
+            continue
+        out[name] = v
+    return out
+
+
+def row_hardware(row: dict, hw_override: dict | None = None) -> Hardware:
     hw = get_hardware(row["gpu"])
-    if hw_override:
-        hw = hw.replace(**{k: v for k, v in hw_override.items()
-                           if not (k.startswith("attn_len") or k == "attn_eta_compute")
-                           or hw.arch == "hopper"})
+    return hw.replace(**_overrides_for(row, hw, hw_override)) if hw_override else hw
+
+
+def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
+    hw = row_hardware(row, hw_override)
     if row["kind"] == "attn_prefill_tflops":
         return attn_prefill_tflops(hw, row)
     if row["kind"] == "serving_out_tps":
-        return serving_out_tps(data, row, hw)
+        return serving_replay(data, row, hw).out_tps
     cm = CostModel(model_of(data, row["model"]), hw, row.get("tp", 1))
     fn = {"first_token_ms": first_token_ms, "static_batch_out_tps": static_batch_out_tps,
           "mixed_over_prefill": mixed_over_prefill, "attn_layer_ms": attn_layer_ms,
@@ -200,28 +235,49 @@ def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
     return value / row["tp"] if row.get("per_gpu") else value
 
 
+STEP_GROUP = "serving: p50 token latency"
+
+
 def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True) -> list[Result]:
+    """Every row's result; a serving row gives two, its throughput and (where the source
+    reports it) its median per-token latency, from the one replay."""
     out = []
     for r in data["rows"]:
         if r["kind"] == "serving_out_tps" and not serving:
             continue
-        sim = simulate(data, r, hw_override)
-        out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]), sim, r["unit"],
-                          f"{data['sources'][r['source']].split(' at ')[0].split(' (')[0]}: "
-                          f"{r['where']} ({r['engine']})"))
+        source = (f"{data['sources'][r['source']].split(' at ')[0].split(' (')[0]}: "
+                  f"{r['where']} ({r['engine']})")
+        if r["kind"] != "serving_out_tps":
+            out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]),
+                              simulate(data, r, hw_override), r["unit"], source))
+            continue
+        rep = serving_replay(data, r, row_hardware(r, hw_override))
+        out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]), rep.out_tps,
+                          r["unit"], source))
+        if "p50_token_s" in r:
+            out.append(Result(f"{r['id']}-p50", STEP_GROUP, r["split"], 1e3 * r["p50_token_s"],
+                              1e3 * rep.p50_token_s, "ms (1 ms steps)", source + ", column 50%"))
     return out
 
 
 # ---- the corrections, fitted on the rows marked ``fit`` ------------------------------------
+# TensorRT-LLM's elementwise traffic, a term of that engine's kernels (its builds fuse norms,
+# rope, activations and residual adds into neighbouring kernels; the cost model charges the
+# unfused passes vLLM's kernels make): fitted on its first-token rows, applied to its rows only
+TRT_ELEM = "TensorRT-LLM:elem_eta_mem"
+TTFT_ROWS = ["ttft-a100-7b-128", "ttft-a100-7b-2048", "ttft-a100-70b-128", "ttft-a100-70b-2048"]
+
+
 def _fit(data: dict, ids: list[str], names: list[str], x0: list[float], lo: list[float],
-         hi: list[float]) -> dict[str, float]:
-    """Least squares on log(simulated / measured) over the named rows."""
+         hi: list[float], fixed: dict[str, float] | None = None) -> dict[str, float]:
+    """Least squares on log(simulated / measured) over the named rows (``fixed``: terms
+    already fitted, held at their values)."""
     from scipy.optimize import least_squares
 
     rows = [r for r in data["rows"] if r["id"] in ids]
 
     def resid(x: np.ndarray) -> np.ndarray:
-        ov = dict(zip(names, map(float, x), strict=True))
+        ov = {**(fixed or {}), **dict(zip(names, map(float, x), strict=True))}
         return np.array([np.log(simulate(data, r, ov) / r["measured"]) for r in rows])
 
     res = least_squares(resid, x0=x0, bounds=(lo, hi))
@@ -231,12 +287,16 @@ def _fit(data: dict, ids: list[str], names: list[str], x0: list[float], lo: list
 def fit_corrections(data: dict) -> dict[str, float]:
     """Prefill attention efficiency by length (Hopper only: FA3 rows 512, 2K, 8K) and decode
     attention bandwidth, one value for MHA and GQA models, on the one TensorRT-LLM row whose
-    time is almost all decode attention and weight reads (Llama-2-7B, 60 x 128/2048). Every
-    serving row and the GQA rows are held out: they test the single bandwidth."""
+    time is almost all decode attention and weight reads (Llama-2-7B, 60 x 128/2048), and
+    TensorRT-LLM's elementwise traffic on its four first-token rows (applied to its rows only).
+    Every serving row, the GQA rows and the other large-batch rows are held out: they test the
+    single bandwidth and the engine's elementwise term on batches of 52-1280."""
     attn = _fit(data, ["attn-fa3-512", "attn-fa3-2k", "attn-fa3-8k"],
                 ["attn_eta_compute", "attn_len_half"], [0.65, 300.0], [0.2, 0.0], [1.0, 1e5])
-    decode = _fit(data, ["tput-a100-7b-60x128x2048"], ["attn_eta_mem"], [0.7], [0.1], [1.0])
-    return {**attn, **decode}
+    fused = _fit(data, TTFT_ROWS, [TRT_ELEM], [0.5], [0.1], [100.0])
+    decode = _fit(data, ["tput-a100-7b-60x128x2048"], ["attn_eta_mem"], [0.7], [0.1], [1.0],
+                  fixed=fused)
+    return {**attn, **fused, **decode}
 
 
 # ---- GEMM rows the fits did not use ---------------------------------------------------------
@@ -364,10 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write rows and summary to this file")
     p.add_argument("--no-gemm", action="store_true", help="skip the Vidur GEMM rows")
     p.add_argument("--no-serving", action="store_true", help="skip the serving replays")
+    p.add_argument("--replay", metavar="ROW", help="replay one serving row with the fitted "
+                   "corrections and print its token-latency measures, then stop")
     p.add_argument("--part", choices=("both", "before", "after"), default="both",
                    help="the shipped profiles, the fitted corrections, or both (the two halves "
                    "run in parallel processes this way: tests/test_fidelity.py)")
     args = p.parse_args(argv)
+    if args.replay:
+        data = load()
+        row = next(r for r in data["rows"] if r["id"] == args.replay)
+        rep = serving_replay(data, row, row_hardware(row, fit_corrections(data)))
+        print(json.dumps({"row": row["id"], **rep.__dict__}, indent=1))
+        return 0
     out: dict = {}
     results = groups = after = after_groups = None
     if args.part != "after":

@@ -29,13 +29,14 @@ BEFORE = {  # group: (median, worst) over the scored rows
     "attention (FA3, H100)": (0.12, 0.22),
     "large-batch decode": (0.18, 0.23),
     "serving": (0.12, 0.23),
+    "serving: p50 token latency": (0.15, 0.30),
     "mixed-batch": (0.05, 0.05),
 }
 AFTER = {  # group: (held-out median, held-out worst)
     "attention (FA3, H100)": (0.03, 0.03),
-    "large-batch decode": (0.13, 0.16),
-    "serving": (0.05, 0.23),
-    "single-request": (0.10, 0.15),
+    "large-batch decode": (0.10, 0.15),  # the issue's bound, met
+    "serving": (0.05, 0.23),  # worst: not met (docs/fidelity.md, "Against the issue's bounds")
+    "serving: p50 token latency": (0.05, 0.20),
 }
 
 
@@ -96,6 +97,24 @@ def test_corrections_move_the_rows_they_target(suite) -> None:
     assert after["attention (FA3, H100)"]["heldout_worst"] < before["attention (FA3, H100)"]["heldout_worst"] / 4
     assert after["large-batch decode"]["heldout_median"] < before["large-batch decode"]["heldout_median"]
     assert after["serving"]["heldout_median"] < before["serving"]["heldout_median"] / 2
+    # TensorRT-LLM moves fewer elementwise bytes than the unfused passes (A100's 0.4456 of
+    # bandwidth); fitted on its four first-token rows, it brings them within 10%
+    assert fixes[fidelity.TRT_ELEM] > 2 * HARDWARE["A100"].elem_eta_mem
+    assert after["single-request"]["heldout_rows"] == 0 and after["single-request"]["worst"] <= 0.10
+
+
+def test_an_engine_term_reaches_only_that_engines_rows() -> None:
+    """``"<engine>:<field>"`` corrections change that engine's rows and no other's: the
+    TensorRT-LLM elementwise term moves its static-batch row, not a TurboMind serving row's
+    hardware, and plain keys reach every row."""
+    data = fidelity.load()
+    trt = next(r for r in data["rows"] if r["id"] == "tput-a100-7b-384x128x128")
+    tm = next(r for r in data["rows"] if r["id"] == "serve-a100-7b-c64-128x128")
+    fix = {fidelity.TRT_ELEM: 1.5, "attn_eta_mem": 0.9}
+    assert fidelity.row_hardware(trt, fix).elem_eta_mem == 1.5
+    assert fidelity.row_hardware(tm, fix).elem_eta_mem == HARDWARE["A100"].elem_eta_mem
+    assert fidelity.row_hardware(tm, fix).attn_eta_mem == 0.9
+    assert fidelity.simulate(data, trt, fix) > fidelity.simulate(data, trt, {"attn_eta_mem": 0.9})
 
 
 def test_corrections_off_by_default_leave_the_cost_model_unchanged() -> None:
@@ -118,9 +137,13 @@ def test_serving_replay_runs_the_measured_engines_settings() -> None:
     row = next(r for r in data["rows"] if r["id"] == "serve-a100-7b-c64-128x128")
     row = {**row, "concurrency": 16, "rounds": 2}
     hw = HARDWARE["A100"]
-    full = fidelity.serving_out_tps(data, row, hw)
-    tight = fidelity.serving_out_tps(data, {**row, "kv_blocks": 8}, hw)  # 4 sequences of 256
-    assert tight < full / 2
+    full = fidelity.serving_replay(data, row, hw)
+    tight = fidelity.serving_replay(data, {**row, "kv_blocks": 8}, hw)  # 4 sequences of 256
+    assert tight.out_tps < full.out_tps / 2
+    # the median token gap is a decode step of the whole batch (16 at ~128 + 64 tokens)
+    step = CostModel(fidelity.model_of(data, row["model"]), hw).decode(16, 192).total
+    assert full.p50_token_s == pytest.approx(step, rel=0.05)
+    assert tight.p50_token_s < full.p50_token_s
 
 
 @pytest.mark.skipif(fitting.find_data_dir() is None, reason="Vidur profiles not found")
