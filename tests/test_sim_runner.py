@@ -106,6 +106,26 @@ def test_steady_state_driver() -> None:
     assert max(r.prompt_tokens + r.output_tokens for r in res.records) <= 8192
 
 
+def test_window_counts_computed_tokens_apart_from_cached_ones() -> None:
+    """``window_computed_token_throughput`` counts the window's prompt tokens the engine
+    computed, not those the prefix cache served: far below the served count when rounds reuse
+    their session's prefix, nearer it without reuse (the system prompt is still shared)."""
+    out = {}
+    for reuse in (True, False):
+        engine = build_sim_engine("Qwen2.5-7B", "H100", 1, mode="throughput", num_pages=5000)
+        w = AgentWorkload.for_context(8192, sessions=8, rounds=3, vocab=(3, 150000),
+                                      prefix_reuse=reuse)
+        res = run_agent_steady(engine, w, duration=40.0, warmup=10.0)
+        served, computed = (res.extra["window_token_throughput"],
+                            res.extra["window_computed_token_throughput"])
+        assert 0 < computed <= served
+        assert res.extra["window_output_throughput"] < computed
+        out[reuse] = computed / served
+    # with reuse each round's prompt is mostly its last round's, cached (a third computed);
+    # without it only the shared system prompt is (two thirds computed)
+    assert out[True] < 0.4 and out[False] > 0.55
+
+
 def test_engine_built_by_hand() -> None:
     """SimRunner is a plain Runner: any Engine takes it."""
     cfg = EngineConfig(model="Llama-3.1-8B", chunk_size=256, token_budget=512)

@@ -165,7 +165,9 @@ class _Run:
         self.tool_calls = 0
         self.session_start: dict[int, float] = {}
         self.res = LoopResult(records=[], duration=0.0, session_times=[])
-        self.tokens = [0.0, 0.0]  # prompt, output tokens served inside the window
+        # prompt, output tokens served inside the window, and the prompt tokens among them
+        # the engine computed (not found in the prefix cache)
+        self.tokens = [0.0, 0.0, 0.0]
 
     def now(self) -> float:
         return self.engine.clock() - self.t0
@@ -234,6 +236,8 @@ class _Run:
             win_prompt, win_out = window_tokens(rec, self.w0, self.w1)
             self.tokens[0] += win_prompt
             self.tokens[1] += win_out
+            if win_prompt:
+                self.tokens[2] += win_prompt - rec.cached_tokens
         if rec.success:
             sess.complete(list(req.output_token_ids))
             if not sess.done:
@@ -271,6 +275,7 @@ class _Run:
             first = req.first_token_time
             if first is not None and self.w0 <= first - self.t0 < self.w1:
                 self.tokens[0] += req.num_prompt_tokens
+                self.tokens[2] += req.num_prompt_tokens - req.num_cached_prompt
             self.tokens[1] += sum(1 for t in req.token_times if self.w0 <= t - self.t0 < self.w1)
 
 
@@ -332,7 +337,8 @@ def _result(run: _Run, cut: bool) -> LoopResult:
     window = max(1e-9, end - run.w0)
     res.duration = window
     res.extra = {"window_token_throughput": (run.tokens[0] + run.tokens[1]) / window,
-                 "window_output_throughput": run.tokens[1] / window}
+                 "window_output_throughput": run.tokens[1] / window,
+                 "window_computed_token_throughput": (run.tokens[2] + run.tokens[1]) / window}
     return res
 
 

@@ -216,9 +216,11 @@ METRIC = "window_token_throughput"  # tokens served per second in the window (dr
 # Tokens the engine computed per second: the measured requests' prompt tokens not found in
 # the cache, plus their output tokens, over the window (per request, as vLLM's
 # ``total_token_throughput``, which counts cached prompt tokens too). Derived from a point's
-# stored metrics by :func:`with_computed`; the window's token-by-token count
-# (``window_token_throughput``) has no computed-token twin in the stored points.
+# stored metrics by :func:`with_computed`, so it works on every stored point.
 COMPUTED_METRIC = "computed_token_throughput"
+# The window's token-by-token count over computed tokens, the twin of :data:`METRIC`
+# (``hlserve.driver.closed_loop``): recorded by points run since it was added.
+WINDOW_COMPUTED_METRIC = "window_computed_token_throughput"
 
 
 def computed_token_throughput(r: dict[str, Any]) -> float:
