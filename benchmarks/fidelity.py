@@ -216,13 +216,19 @@ def _overrides_for(row: dict, hw: Hardware, hw_override: dict) -> dict:
     return out
 
 
-def row_hardware(row: dict, hw_override: dict | None = None) -> Hardware:
+def row_hardware(data: dict, row: dict, hw_override: dict | None = None) -> Hardware:
+    """The GPU profile a row is simulated on: the shipped one, with the measured engine's
+    kernel settings read from its source (``engines`` in the rows file: not fitted, so
+    before the corrections too), then the corrections that apply to the row."""
     hw = get_hardware(row["gpu"])
+    for engine, known in data.get("engines", {}).items():
+        if row["engine"].startswith(engine):
+            hw = hw.replace(**known["hardware"])
     return hw.replace(**_overrides_for(row, hw, hw_override)) if hw_override else hw
 
 
 def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
-    hw = row_hardware(row, hw_override)
+    hw = row_hardware(data, row, hw_override)
     if row["kind"] == "attn_prefill_tflops":
         return attn_prefill_tflops(hw, row)
     if row["kind"] == "serving_out_tps":
@@ -251,7 +257,7 @@ def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True
             out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]),
                               simulate(data, r, hw_override), r["unit"], source))
             continue
-        rep = serving_replay(data, r, row_hardware(r, hw_override))
+        rep = serving_replay(data, r, row_hardware(data, r, hw_override))
         out.append(Result(r["id"], r["group"], r["split"], float(r["measured"]), rep.out_tps,
                           r["unit"], source))
         if "p50_token_s" in r:
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         data = load()
         row = next(r for r in data["rows"] if r["id"] == args.replay)
-        rep = serving_replay(data, row, row_hardware(row, fit_corrections(data)))
+        rep = serving_replay(data, row, row_hardware(data, row, fit_corrections(data)))
         print(json.dumps({"row": row["id"], **rep.__dict__}, indent=1))
         return 0
     out: dict = {}

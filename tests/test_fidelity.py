@@ -113,9 +113,9 @@ def test_an_engine_term_reaches_only_that_engines_rows() -> None:
     trt = next(r for r in data["rows"] if r["id"] == "tput-a100-7b-384x128x128")
     tm = next(r for r in data["rows"] if r["id"] == "serve-a100-7b-c64-128x128")
     fix = {fidelity.TRT_ELEM: 1.5, "attn_eta_mem": 0.9}
-    assert fidelity.row_hardware(trt, fix).elem_eta_mem == 1.5
-    assert fidelity.row_hardware(tm, fix).elem_eta_mem == HARDWARE["A100"].elem_eta_mem
-    assert fidelity.row_hardware(tm, fix).attn_eta_mem == 0.9
+    assert fidelity.row_hardware(data, trt, fix).elem_eta_mem == 1.5
+    assert fidelity.row_hardware(data, tm, fix).elem_eta_mem == HARDWARE["A100"].elem_eta_mem
+    assert fidelity.row_hardware(data, tm, fix).attn_eta_mem == 0.9
     assert fidelity.simulate(data, trt, fix) > fidelity.simulate(data, trt, {"attn_eta_mem": 0.9})
 
 

@@ -131,3 +131,23 @@ def test_cost_cli(capsys) -> None:
     assert out["compute_ms"] + out["memory_ms"] + out["communication_ms"] + out["overhead_ms"] == \
         pytest.approx(out["total_ms"])
     assert sim_main(["cost", "--hardware", "nope", "--prefill", "10"]) == 2
+
+
+def test_a_decode_kernel_that_splits_the_query_group_reads_kv_more_often() -> None:
+    """``decode_heads_per_kv_read`` k: a group of g query heads reads its KV head ceil(g / k)
+    times in decode attention (TurboMind v0.1's blocks of 4 heads on Llama-70B's groups of 8:
+    twice); 0 or k >= g is a grouped kernel (once), and prefill attention does not change."""
+    model, hw = MODELS["Llama-3.1-70B"], HARDWARE["A100"]  # 64 query heads, 8 KV heads
+    decode = IterationShape(64, 64, 64, (), 64, 64 * 4096, 4096)
+    prefill = IterationShape(2048, 1, 1, ((2048, 0),))
+
+    def attn(k: int, shape: IterationShape, part: str) -> float:
+        bd = CostModel(model, hw.replace(decode_heads_per_kv_read=k), 4).iteration(shape, True)[1]
+        assert bd is not None
+        return bd.parts[part]
+
+    once = attn(0, decode, "attention decode")
+    assert attn(8, decode, "attention decode") == pytest.approx(once)
+    assert attn(4, decode, "attention decode") == pytest.approx(2 * once, rel=0.01)
+    assert attn(3, decode, "attention decode") == pytest.approx(3 * once, rel=0.01)
+    assert attn(4, prefill, "attention prefill") == attn(0, prefill, "attention prefill")

@@ -203,7 +203,7 @@ def _features(cm: CostModel, s: IterationShape, cache: float) -> list[float]:
     L = cm.layers
     pairs = sum(q * (ctx + (q + 1) / 2) for q, ctx in s.prefill)
     keys = s.num_decodes * s.decode_ctx_max if cm.hw.decode_attn_padded else s.decode_ctx_sum
-    dec = cm.kv_read_per_token * keys + cm.q_bytes_per_token * s.num_decodes  # one layer
+    dec = cm.kv_decode_read_per_token * keys + cm.q_bytes_per_token * s.num_decodes  # one layer
     hit = min(dec, cache)
     mixed = 1.0 if (s.prefill and s.num_decodes) else 0.0
     return [1.0, float(s.num_seqs), float(L * len(s.prefill)), L * cm.attn_flops_per_pair * pairs,

@@ -110,6 +110,9 @@ class CostModel:
         self.elem_kernels = 6
         self.attn_flops_per_pair = 4 * self.hq * d  # QK^T and PV, per (query, key) pair
         self.kv_read_per_token = 2 * self.hkv * d * b
+        group, per_read = max(1, self.hq // self.hkv), hw.decode_heads_per_kv_read
+        self.kv_decode_read_per_token = self.kv_read_per_token * (
+            -(-group // per_read) if per_read > 0 else 1)
         self.q_bytes_per_token = 2 * self.hq * d * b  # Q read and O written
         self.alpha, self.algbw = hw.allreduce_params(tp)
         self.act_bytes_per_token = b * (4 * h + (self.hq + 2 * self.hkv) * d + 3 * inter)
@@ -184,11 +187,12 @@ class CostModel:
         if s.num_decodes:
             keys = s.num_decodes * s.decode_ctx_max if hw.decode_attn_padded else s.decode_ctx_sum
             tc = self.attn_flops_per_pair * keys / (hw.attn_eta_compute * self._peak)
-            by = self.kv_read_per_token * keys + self.q_bytes_per_token * s.num_decodes
+            by = self.kv_decode_read_per_token * keys + self.q_bytes_per_token * s.num_decodes
             # one bandwidth for MHA and GQA alike: a grouped decode kernel (FlashAttention /
             # FlashInfer class, and hlserve's own, models/attention.py) reads each KV head once
-            # for its whole query group. docs/fidelity.md: the one engine whose GQA decode ran
-            # far slower, TensorRT-LLM v0.6.1, predates its grouped-query XQA kernel
+            # for its whole query group (``decode_heads_per_kv_read`` 0). docs/fidelity.md: the
+            # engines whose GQA decode ran slower split the group (TurboMind v0.1, 4 heads per
+            # block) or predate a grouped kernel (TensorRT-LLM v0.6.1, before XQA)
             eta_m = hw.attn_eta_mem
             if hw.cache_bytes > 0 and by > 0:
                 hit = min(by, hw.cache_bytes)

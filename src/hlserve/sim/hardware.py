@@ -73,6 +73,10 @@ class Hardware:
     host_seq_overhead: float = 0.0
     prefill_seg_overhead: float = 0.0  # per layer per prefill segment (one attention call each)
     decode_attn_padded: bool = False  # decode attention reads batch x longest context
+    # query heads that share one read of their KV head in decode attention; 0: the whole
+    # group (a grouped kernel, FlashInfer/XQA class). A kernel that splits a group of g over
+    # thread blocks of k heads reads each KV head ceil(g / k) times (docs/fidelity.md)
+    decode_heads_per_kv_read: int = 0
     launch_time: float = 4e-6  # host time to launch one kernel outside a captured graph
     kernels_per_layer: int = 14
     graph_max_batch: int = 256  # decode-only batches up to this size replay a captured graph
