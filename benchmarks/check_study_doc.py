@@ -394,14 +394,10 @@ def computed_window_row(s: Study) -> list[float]:
     stored = {(seed, key(r)): r for seed, recs in s.seeds.items() for r in recs}
     pts = [(seed, r) for seed, recs in rerun.items() for r in recs]
     same = sum(1 for seed, r in pts
-               if (seed, key(r)) in stored and window_tput(stored[(seed, key(r))]) == window_tput(r))
+               if (seed, key(r)) in stored and throughput(stored[(seed, key(r))]) == throughput(r))
     return [same, len(pts),
             *pct_ci(tax_over_seeds(rerun, K32, PROD, metric=WINDOW_COMPUTED_METRIC)),
             *pct_ci(tax_over_seeds(rerun, K32, PROD))]
-
-
-def window_tput(r: Rec) -> float:
-    return r["metrics"]["window_token_throughput"]
 
 
 AT256 = ROOT / "docs" / "study" / "h20-256"  # throughput mode and sglang C=8192 at 256 sessions

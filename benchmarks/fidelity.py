@@ -164,9 +164,9 @@ class Replay:
 
     out_tps: float
     p50_token_s: float
-    mean_token_s: float = 0.0
-    p99_token_s: float = 0.0
-    mean_first_token_s: float = 0.0
+    mean_token_s: float
+    p99_token_s: float
+    mean_first_token_s: float
 
 
 def serving_replay(data: dict, row: dict, hw: Hardware) -> Replay:
