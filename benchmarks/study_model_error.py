@@ -19,6 +19,8 @@ go to ``--out`` as they come (a rerun resumes).
     python benchmarks/study_model_error.py                  # 3 seeds, 32K: ~20 points, ~10 min
     python benchmarks/study_model_error.py --seeds 5 --out /tmp/me.json
     python benchmarks/study_model_error.py --gpu H100   # docs/study/h100-model-error/
+    python benchmarks/study_model_error.py --context 65536 \
+        --out docs/study/h20-model-error/model_error_64k.json
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from hlserve.sim.study import model_error as me
 from hlserve.sim.study.core import Point, StudySpec, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
-STORED = (ROOT / "docs/study/h20-seeds/points", ROOT / "docs/study/h20/points")
+STORED = (ROOT / "docs/study/h20-seeds/points", ROOT / "docs/study/h20/points",
+          ROOT / "docs/study/h20-256")
 OUT = ROOT / "docs/study/h20-model-error/model_error.json"
 DRAW_SEED = 0
 
@@ -103,7 +106,7 @@ def replicate(mode: str, seed: int, hw, pts: dict[str, Point], done: dict, save)
                   f"({rec['metrics']['wall_s']:.0f} s)", flush=True)
         recs[name] = rec
         save()
-    return recs
+    return {name: recs[name] for name in pts}  # a file run with more points keeps them
 
 
 def _table(rows: dict[str, dict[str, me.Headline]]) -> str:
@@ -119,6 +122,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="replicates (workload seeds 0..n-1)")
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--sessions", help="throughput mode's concurrencies for the taxes, comma-"
+                    "separated (default by context: " + "; ".join(
+                        f"{c // 1024}K {','.join(map(str, n))}" for c, n in me.TAX_SESSIONS.items())
+                    + "); a rerun with more adds only the new points")
     ap.add_argument("--gpu", default=StudySpec().hardware,
                     help="the GPU profile (8 of them, the study's deployment); default H20")
     ap.add_argument("--out", type=Path, help=f"default {OUT.relative_to(ROOT)} (another GPU: "
@@ -130,7 +137,8 @@ def main() -> None:
     ts = terms()
     base = get_hardware(args.gpu)
     draws = [me.draw(base, ts, DRAW_SEED, k) for k in range(args.seeds)]
-    pts = me.headline_points(args.context)
+    sessions = [int(n) for n in args.sessions.split(",")] if args.sessions else None
+    pts = me.headline_points(args.context, sessions)
     state: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     if state.get("context") != args.context or state.get("gpu", "H20") != args.gpu:
         state = {"context": args.context, "gpu": args.gpu, "records": {}}

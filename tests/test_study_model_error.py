@@ -98,7 +98,7 @@ def test_headline_marks_no_difference_when_the_interval_includes_zero() -> None:
 
 def _stored(seed: int) -> dict[str, dict]:
     out = {}
-    for name, p in me.headline_points().items():
+    for name, p in me.headline_points(32768, (16, 32, 64, 128)).items():
         if name == "chunked@64":
             continue
         f = SEEDS / (f"{p.key}.json" if seed == 0 else f"{p.key}.seed{seed}.json")
