@@ -19,7 +19,7 @@ from hlserve import LLM, SamplingParams
 from hlserve.models import attention as attn
 from hlserve.models import tiny
 from hlserve.models.cpu_kernels import decode_op, prefill_op
-from hlserve.models.packed_linear import PackedLinear, can_prepack
+from hlserve.models.packed_linear import PackedLinear, WideLinear, can_prepack, can_widen
 from support import hf_greedy
 
 
@@ -518,3 +518,57 @@ def test_bf16_engine_prepacks_and_keeps_its_tokens(tiny_model_dirs) -> None:
         plain_llm = LLM(str(path), dtype="bfloat16")
     assert not isinstance(plain_llm.engine.runner.model.lm_head, PackedLinear)
     assert [o.token_ids for o in plain_llm.generate(prompts, GREEDY, use_tqdm=False)] == packed
+
+
+# ---- bf16 linears in fp32, where oneDNN has no bf16 kernels ------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_linear_gives_the_bf16_linear(rows: int, bias: bool) -> None:
+    """fp32 math over the bf16 values, rounded once, as PyTorch's bf16 linear (fp32
+    accumulation) does: the same tensor but for summation order, which moves a few elements
+    (near zero, where the fp32 sums' error shows) by no more than that error allows."""
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(896, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 896, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, want = WideLinear(lin)(x), lin(x)
+    assert got.dtype == torch.bfloat16
+    if rows == 1:
+        assert torch.equal(got, want)
+        return
+    differ = got != want
+    assert differ.float().mean() < 0.01
+    # the two fp32 sums may differ by the dot product's error bound, K * 2^-24 * sum |x w|
+    # each; then each rounds to bf16 (half an ulp, 2^-9 relative)
+    mag = x.double().abs() @ lin.weight.double().abs().T
+    bound = 2 * 896 * 2.0**-24 * mag + 2.0**-8 * want.double().abs() + 2.0**-133
+    assert bool(((got.double() - want.double()).abs() <= bound).all())
+
+
+def test_the_runner_widens_bf16_linears_only_where_onednn_has_no_bf16() -> None:
+    cpu = torch.device("cpu")
+    assert can_widen(cpu, torch.bfloat16) == (not can_prepack(cpu, torch.bfloat16))
+    assert not can_widen(cpu, torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLSERVE_CPU_WIDE_LINEAR", "0")
+        assert not can_widen(cpu, torch.bfloat16)
+
+
+def test_bf16_engine_widened_keeps_its_tokens(tiny_model_dirs) -> None:
+    """With every linear widened (what a CPU without bf16 GEMMs runs), a bf16 engine's greedy
+    tokens equal those of plain bf16 linears."""
+    path = tiny_model_dirs["qwen2"]
+    prompts = [[5, 9, 33, 4] * 10, [7] * 3]
+    runs = {}
+    for wide in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("hlserve.runner.torch_runner.can_prepack", lambda *a: False)
+            mp.setattr("hlserve.runner.torch_runner.can_widen", lambda *a, w=wide: w)
+            llm = LLM(str(path), dtype="bfloat16")
+        model = llm.engine.runner.model
+        assert isinstance(model.model.layers[0].mlp.down_proj, WideLinear) == wide
+        assert isinstance(model.lm_head, WideLinear) == wide
+        runs[wide] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert runs[True] == runs[False]

@@ -21,7 +21,7 @@ from hlserve.models.config import ModelConfig
 from hlserve.models.cpu_kernels import decode_op, prefill_op, supports, supports_prefill
 from hlserve.models.llama import MLP, Attention, DecoderLayer
 from hlserve.models.loader import load_model, resolve_dtype
-from hlserve.models.packed_linear import can_prepack, prepack_linears
+from hlserve.models.packed_linear import can_prepack, can_widen, prepack_linears, widen_linears
 from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.cpu_alloc import keep_freed_memory
 from hlserve.runner.logits import LogitsAdjuster, apply_min_p, apply_top_k_top_p
@@ -62,6 +62,8 @@ class TorchRunner(Runner):
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
+        elif can_widen(self.device, self.dtype):
+            widen_linears(self.model)
         # a heartbeat per layer and sublayer (Runner.last_progress), and per segment inside
         # the attention (AttentionMetadata.progress); the hooks hold only the heartbeat, not
         # the runner: a runner <-> model cycle kept every dropped runner's KV pool alive
