@@ -13,14 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from hlserve import LLM, SamplingParams
 from hlserve.models import attention as attn
 from hlserve.models import tiny
-from hlserve.models.cpu_kernels import decode_op, prefill_op
-from hlserve.models.packed_linear import PackedLinear, WideLinear, can_prepack, can_widen
-from support import hf_greedy
+from hlserve.models.cpu_kernels import decode_op, linear_op, prefill_op
+from hlserve.models.packed_linear import (
+    KERNEL_ROWS,
+    PackedLinear,
+    WideLinear,
+    can_prepack,
+    can_widen,
+)
+from support import hf_greedy, load_benchmark
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int,
@@ -160,6 +167,21 @@ def test_cpu_kernel_decode_half_precision(dtype) -> None:
     out = attn.paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), kc.to(dtype),
                                vc.to(dtype), meta, scale)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_kernel_decode_head_sizes(d, page_size) -> None:
+    """The vector paths at the head sizes models use (8 lanes per slice on AVX2, 16 on
+    AVX-512), G = 7 query heads per KV head, contexts across many shuffled pages."""
+    seqs = [(700, 1), (1, 1), (129, 1), (16, 1)]
+    q, k, v, kc, vc, meta, scale, ref = build_case(14, 2, page_size, seqs, seed=d, d=d)
+    attn.write_kv(kc, vc, k, v, meta.slot_mapping)
+    assert meta.context_pages is not None
+    meta.paged_decodes = paged(meta, seqs, page_size, meta.context_pages.tolist())
+    out = attn.paged_attention(q, k, v, kc, vc, meta, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 needs_prefill_kernel = pytest.mark.skipif(
@@ -523,28 +545,71 @@ def test_bf16_engine_prepacks_and_keeps_its_tokens(tiny_model_dirs) -> None:
 # ---- bf16 linears in fp32, where oneDNN has no bf16 kernels ------------------------------
 
 
+def assert_bf16_linear(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor,
+                       w: torch.Tensor) -> None:
+    """``got`` is the bf16 linear ``want`` but for fp32 summation order: few elements differ
+    (near zero, where the fp32 sums' error shows), by no more than that error allows."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got != want).float().mean() < 0.01
+    # the two fp32 sums may differ by the dot product's error bound, K * 2^-24 * sum |x w|
+    # each; then each rounds to bf16 (half an ulp, 2^-9 relative)
+    k = x.shape[-1]
+    mag = x.double().abs() @ w.double().abs().T
+    bound = 2 * k * 2.0**-24 * mag + 2.0**-8 * want.double().abs() + 2.0**-133
+    assert bool(((got.double() - want.double()).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_linear_gives_the_bf16_linear(rows: int, bias: bool) -> None:
     """fp32 math over the bf16 values, rounded once, as PyTorch's bf16 linear (fp32
-    accumulation) does: the same tensor but for summation order, which moves a few elements
-    (near zero, where the fp32 sums' error shows) by no more than that error allows."""
+    accumulation) does: the same tensor but for summation order; one row to the bit."""
     torch.manual_seed(rows)
     lin = torch.nn.Linear(896, 80, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 896, dtype=torch.bfloat16)
     with torch.inference_mode():
         got, want = WideLinear(lin)(x), lin(x)
-    assert got.dtype == torch.bfloat16
-    if rows == 1:
-        assert torch.equal(got, want)
-        return
-    differ = got != want
-    assert differ.float().mean() < 0.01
-    # the two fp32 sums may differ by the dot product's error bound, K * 2^-24 * sum |x w|
-    # each; then each rounds to bf16 (half an ulp, 2^-9 relative)
-    mag = x.double().abs() @ lin.weight.double().abs().T
-    bound = 2 * 896 * 2.0**-24 * mag + 2.0**-8 * want.double().abs() + 2.0**-133
-    assert bool(((got.double() - want.double()).abs() <= bound).all())
+        if rows == 1:
+            assert torch.equal(got, want)
+        assert_bf16_linear(got, want, x, lin.weight)
+
+
+needs_linear_kernel = pytest.mark.skipif(
+    linear_op() is None, reason="the AVX2 linear kernel is not built (no AVX2/FMA)")
+
+
+@needs_linear_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("k,n", [(896, 80), (100, 7), (4864, 898)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_kernel_gives_the_bf16_linear(rows, k, n, bias) -> None:
+    """The AVX2 kernel: row counts across its 4-row tiles, weight rows across its 3-row
+    tiles, K with and without an 8-lane tail."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    op = linear_op()
+    with torch.inference_mode():
+        got, want = op(x, w, b), F.linear(x, w, b)
+    assert_bf16_linear(got, want, x, w)
+
+
+@needs_linear_kernel
+def test_wide_linear_takes_the_kernel_for_few_rows_and_the_gemm_past_them() -> None:
+    lin = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    calls = []
+
+    def op(x, w, b):
+        calls.append(x.shape[0])
+        return linear_op()(x, w, b)
+    wide = WideLinear(lin, op)
+    with torch.inference_mode():
+        for shape in [(1, 256), (2, 3, 256), (KERNEL_ROWS, 256), (KERNEL_ROWS + 1, 256)]:
+            x = torch.randn(*shape).to(torch.bfloat16)
+            assert_bf16_linear(wide(x).reshape(-1, 96), lin(x).reshape(-1, 96),
+                               x.reshape(-1, 256), lin.weight)
+    assert calls == [1, 6, KERNEL_ROWS]
 
 
 def test_the_runner_widens_bf16_linears_only_where_onednn_has_no_bf16() -> None:
@@ -572,3 +637,14 @@ def test_bf16_engine_widened_keeps_its_tokens(tiny_model_dirs) -> None:
         assert isinstance(model.lm_head, WideLinear) == wide
         runs[wide] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert runs[True] == runs[False]
+
+
+@needs_linear_kernel
+def test_linear_benchmark_runs_its_table(capsys, monkeypatch) -> None:
+    """benchmarks/linear_avx2.py, one row count, one repeat: a row per shape, each way timed."""
+    bench = load_benchmark("linear_avx2")
+    monkeypatch.setattr(bench, "SHAPES", {"small": (256, 96)})
+    monkeypatch.setattr("sys.argv", ["linear_avx2.py", "--rows", "4", "--repeats", "1"])
+    bench.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| small")]
+    assert len(rows) == 1 and rows[0].count("|") == 8 and " - " not in rows[0]

@@ -16,6 +16,10 @@ the pool read itself; docs/bench.md, "Engine speed"):
 And the fused elementwise ops of a layer in bf16 (RMSNorm with its residual add, SiLU x up,
 RoPE; ``fused_ops()``, used by ``models/fused.py``), also AVX512_BF16 only.
 
+And, for a CPU with AVX2 but no bf16 GEMM, a bf16 linear over few rows (``linear_op()``,
+used by ``models/packed_linear.py``'s ``WideLinear`` at decode sizes): it reads the bf16
+weight once and widens it in registers, where an fp32 copy would stream twice the bytes.
+
 The extension is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja)
 with ``-march=native`` into a cache directory keyed by the source, torch's version and this
 machine's CPU flags, so a shared cache never serves a build for another CPU. Where it cannot
@@ -40,7 +44,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                        "prefill_attention.cpp", "prefill_attention_rowpair.cpp",
-                                       "fused_ops.cpp")]
+                                       "fused_ops.cpp", "linear_bf16.cpp")]
 # included by the sources: part of the build's key
 _HEADERS = [_CSRC / name for name in ("avx512_math.h", "bf16_tile.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -143,6 +147,18 @@ def fused_ops() -> object | None:
     if module is None or not module.fused_ops_built():  # type: ignore[attr-defined]
         return None
     return module
+
+
+LinearOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def linear_op() -> LinearOp | None:
+    """The compiled bf16 linear for few rows on an AVX2 CPU (``linear_bf16.cpp``), or None
+    where the kernels are off, cannot be built, or the CPU has no AVX2 and FMA."""
+    module = _module()
+    if module is None or not module.linear_bf16_built():  # type: ignore[attr-defined]
+        return None
+    return module.linear_bf16  # type: ignore[attr-defined, no-any-return]
 
 
 def _load() -> object | None:

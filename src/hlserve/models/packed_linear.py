@@ -6,28 +6,33 @@ call; at decode batch sizes that reorder streams the weight twice and halves the
 speed (measured, 0.5B shape, 16 rows: 0.90 ms plain, 0.53 ms prepacked per 4864x896 GEMM;
 the vocabulary projection 28 ms against 16 ms). Packing once at load time is what
 ``torch.compile``'s CPU freezing pass does; here it is done directly, without compiling.
-The result is bit-identical to ``F.linear`` (tests/test_packed_linear.py), and the packed
+The result is bit-identical to ``F.linear`` (tests/test_attention.py), and the packed
 weight has the same size as the original, which it replaces (a tied ``lm_head`` keeps its own
 packed copy, since the embedding still needs the plain one).
 
 Where oneDNN has no bf16 kernels (an x86 CPU without AVX512_BF16 or AMX, e.g. AVX2 only),
 a bf16 ``F.linear`` falls to a generic loop that runs about 6x slower than fp32's GEMM on the
 same core (measured on an AVX2 EPYC, 256 x 896 x 4864: 8.7 against 52.5 GFLOP/s on one
-thread). There :class:`WideLinear` keeps the weight in fp32 (the bf16 values, exactly) and
-computes in fp32: PyTorch's bf16 linear also accumulates in fp32 and rounds once, so the
-output is the same bf16 tensor (bit-identical up to 16 rows; at 200 rows a few elements in
-ten thousand differ by one ulp, from summation order; tests/test_attention.py). The price is
-twice the weights' memory; ``HLSERVE_CPU_WIDE_LINEAR=0`` turns it off.
+thread). There :class:`WideLinear` computes in fp32 over the bf16 values: PyTorch's bf16
+linear also accumulates in fp32 and rounds once, so the output is the same bf16 tensor but
+for fp32 summation order (to the bit at one row; elsewhere a few elements in ten thousand,
+near zero, within the dot product's error bound; tests/test_attention.py). Few rows (a
+decode step's) go to the AVX2 kernel ``linear_bf16`` (``cpu_kernels.linear_op``), which
+reads the bf16 weight once and widens it in registers; more rows to fp32's GEMM over an fp32
+copy of the weight. ``HLSERVE_CPU_WIDE_LINEAR=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hlserve.models.cpu_kernels import LinearOp, linear_op
 
 log = logging.getLogger("hlserve.models")
 
@@ -72,24 +77,37 @@ class PackedLinear(nn.Module):
         return _LINEAR(x, self.packed_weight, self.bias, "none", [], "")
 
 
-class WideLinear(nn.Module):
-    """``y = x W^T + b`` for bf16 ``x`` and ``y``, computed in fp32 over an fp32 copy of a
-    bf16 weight: the same result as the bf16 linear, at fp32 GEMM speed."""
+# up to this many rows the AVX2 kernel is at least as fast as fp32's GEMM over the fp32 copy (it
+# streams half the bytes, 2-7x faster at 1-16 rows; equal at 64): benchmarks/linear_avx2.py
+KERNEL_ROWS = 64
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class WideLinear(nn.Module):
+    """``y = x W^T + b`` for bf16 ``x``, ``W`` and ``y``, computed in fp32: the same result as
+    the bf16 linear, at fp32 speed (the AVX2 kernel for few rows, fp32's GEMM for more)."""
+
+    def __init__(self, linear: nn.Linear, op: LinearOp | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = linear.weight.dtype
+        self.op = op
+        self.register_buffer("weight", linear.weight.detach(), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(),
+                             persistent=False)
         self.register_buffer("weight32", linear.weight.detach().float(), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.register_buffer("bias32", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.op is not None and rows <= KERNEL_ROWS:
+            y = self.op(x.reshape(rows, self.in_features), self.weight, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         # one rounding, at the end, as PyTorch's bf16 linear (fp32 accumulation) does
         return F.linear(x.float(), self.weight32, self.bias32).to(self.out_dtype)
 
 
-def _replace_linears(model: nn.Module, make: type[nn.Module]) -> int:
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -108,7 +126,9 @@ def prepack_linears(model: nn.Module) -> int:
 
 def widen_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`WideLinear`; returns how many."""
-    count = _replace_linears(model, WideLinear)
-    log.info("%d bf16 linear layers compute in fp32: this CPU's oneDNN has no bf16 kernels "
-             "(HLSERVE_CPU_WIDE_LINEAR=0 keeps them in bf16)", count)
+    op = linear_op() if os.environ.get("HLSERVE_CPU_LINEAR_KERNEL", "1") != "0" else None
+    count = _replace_linears(model, lambda linear: WideLinear(linear, op))
+    log.info("%d bf16 linear layers compute in fp32 (%s up to %d rows): this CPU's oneDNN has "
+             "no bf16 kernels (HLSERVE_CPU_WIDE_LINEAR=0 keeps them in bf16)", count,
+             "the AVX2 kernel" if op is not None else "fp32's GEMM", KERNEL_ROWS)
     return count

@@ -21,6 +21,9 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& a, const torc
                             double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+bool linear_bf16_built();
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
+                          const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the page pool");
@@ -35,4 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += a in place, then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up in bf16");
   m.def("rope_", &rope_, "rotary embedding of [T, heads, D] in place");
+  m.def("linear_bf16_built", &linear_bf16_built,
+        "whether linear_bf16 was compiled (the CPU has AVX2 and FMA)");
+  m.def("linear_bf16", &linear_bf16, "x W^T + b for bf16 x and W, fp32 math, AVX2 (few rows)");
 }

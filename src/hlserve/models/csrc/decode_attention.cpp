@@ -10,7 +10,8 @@
 // One task per (sequence, KV head): the G = H / KVH query heads of that KV head are scored
 // against each page's rows as they are read (K and V each read once per task), in fp32.
 // Exact softmax in two passes over a [G, L] score buffer. Built at first use by
-// hlserve.models.cpu_kernels with -O3 -march=native so the loops vectorise.
+// hlserve.models.cpu_kernels with -O3 -march=native: explicit AVX-512 or AVX2 (+ FMA) paths
+// where the CPU has them, portable loops (vectorised by the compiler) elsewhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -165,6 +166,119 @@ void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t l
 }  // namespace avx
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// ---- AVX2 path (bf16 / fp16 / fp32 pools, head_dim a multiple of 8) ----------------------
+// The AVX-512 path's shape in 8 lanes. Scores: a tile of 8 keys is widened to fp32 once;
+// each query row's 8 dot products are summed into one vector by a horizontal-add transpose.
+// Values: blocks of up to 16 keys (from any pages) into an fp32 [G][D] accumulator that
+// stays in L1, one 8-lane slice of head_dim at a time, G accumulators in registers.
+#include <immintrin.h>
+
+namespace avx2 {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// v[0..7] -> one vector whose lane r is the sum of v[r]'s lanes
+inline __m256 transpose_reduce(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <typename T>
+void scores_pass(const float* __restrict qf, const T* __restrict kbase,
+                 const int64_t* __restrict table, int64_t len, int64_t S, int64_t G,
+                 int64_t D, float* __restrict scores /* [G][len] */) {
+  alignas(32) float tile[8 * 256];
+  const int64_t C = D / 8;
+  for (int64_t l0 = 0; l0 < len; l0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - l0);
+    for (int64_t r = 0; r < 8; ++r) {
+      float* dst = tile + r * D;
+      if (r < n) {
+        const int64_t l = l0 + r;
+        const T* kr = kbase + (table[l / S] * S + l % S) * D;
+        for (int64_t c = 0; c < C; ++c) _mm256_store_ps(dst + 8 * c, load8(kr + 8 * c));
+      } else {
+        for (int64_t c = 0; c < C; ++c) _mm256_store_ps(dst + 8 * c, _mm256_setzero_ps());
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m256 acc[8];
+      const __m256 q0 = _mm256_loadu_ps(qg);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_mul_ps(q0, _mm256_load_ps(tile + r * D));
+      for (int64_t c = 1; c < C; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+        for (int r = 0; r < 8; ++r)
+          acc[r] = _mm256_fmadd_ps(qc, _mm256_load_ps(tile + r * D + 8 * c), acc[r]);
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, transpose_reduce(acc));
+      std::memcpy(scores + g * len + l0, sums, n * sizeof(float));
+    }
+  }
+}
+
+// acc[g][c..c+8] += sum over the block's rows of w[g][row] * v[row][c..c+8], for GT rows g
+template <typename T, int GT>
+inline void values_slices(const float* __restrict w, int64_t len, const T* const* rows,
+                          const int64_t* ls, int64_t n, int64_t D, float* __restrict acc) {
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 a[GT];
+    for (int g = 0; g < GT; ++g) a[g] = _mm256_loadu_ps(acc + g * D + c);
+    for (int64_t r = 0; r < n; ++r) {
+      const __m256 v = load8(rows[r] + c);
+      for (int g = 0; g < GT; ++g)
+        a[g] = _mm256_fmadd_ps(_mm256_set1_ps(w[g * len + ls[r]]), v, a[g]);
+    }
+    for (int g = 0; g < GT; ++g) _mm256_storeu_ps(acc + g * D + c, a[g]);
+  }
+}
+
+template <typename T>
+void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t len, int64_t S,
+                 int64_t G, int64_t D, const float* inv, float* acc /* [G][D] */,
+                 T* out) {
+  std::fill(acc, acc + G * D, 0.f);
+  const T* rows[16];
+  int64_t ls[16];
+  for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - l0);
+    for (int64_t r = 0; r < n; ++r) {
+      ls[r] = l0 + r;
+      rows[r] = vbase + (table[ls[r] / S] * S + ls[r] % S) * D;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      const float* wg = w + g0 * len;
+      float* ag = acc + g0 * D;
+      switch (std::min<int64_t>(8, G - g0)) {
+        case 1: values_slices<T, 1>(wg, len, rows, ls, n, D, ag); break;
+        case 2: values_slices<T, 2>(wg, len, rows, ls, n, D, ag); break;
+        case 3: values_slices<T, 3>(wg, len, rows, ls, n, D, ag); break;
+        case 4: values_slices<T, 4>(wg, len, rows, ls, n, D, ag); break;
+        case 5: values_slices<T, 5>(wg, len, rows, ls, n, D, ag); break;
+        case 6: values_slices<T, 6>(wg, len, rows, ls, n, D, ag); break;
+        case 7: values_slices<T, 7>(wg, len, rows, ls, n, D, ag); break;
+        default: values_slices<T, 8>(wg, len, rows, ls, n, D, ag); break;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = static_cast<T>(acc[g * D + i] * inv[g]);
+}
+
+}  // namespace avx2
+#endif
+
 // rows of ``scores`` [G][len] -> exp(s - max) in place; inv[g] = 1 / their sum
 inline void softmax_rows(float* __restrict scores, int64_t G, int64_t len, float* __restrict inv) {
   for (int64_t g = 0; g < G; ++g) {
@@ -204,6 +318,16 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         softmax_rows(scores.data(), G, len, inv.data());
         avx::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(),
                             out + (b * H + h * G) * D);
+        continue;
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (D % 8 == 0 && !std::is_same_v<T, double>) {
+        const T* kbase = kc + h * P * S * D;
+        const T* vbase = vc + h * P * S * D;
+        avx2::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
+        softmax_rows(scores.data(), G, len, inv.data());
+        avx2::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
+                             out + (b * H + h * G) * D);
         continue;
       }
 #endif
