@@ -19,7 +19,9 @@ for fp32 summation order (to the bit at one row; elsewhere a few elements in ten
 near zero, within the dot product's error bound; tests/test_attention.py). Few rows (a
 decode step's) go to the AVX2 kernel ``linear_bf16`` (``cpu_kernels.linear_op``), which
 reads the bf16 weight once and widens it in registers; more rows to fp32's GEMM over an fp32
-copy of the weight. ``HLSERVE_CPU_WIDE_LINEAR=0`` turns it off.
+copy of the weight, so a layer holds three times its bf16 bytes. ``HLSERVE_CPU_WIDE_LINEAR=0``
+turns it off; ``HLSERVE_CPU_LINEAR_KERNEL=0`` keeps it but leaves the kernel out (fp32's GEMM
+at every row count, for side-by-side measurement).
 """
 
 from __future__ import annotations
