@@ -40,7 +40,7 @@ from hlserve.sim.study.core import Point, StudySpec, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
 STORED = (ROOT / "docs/study/h20-seeds/points", ROOT / "docs/study/h20/points",
-          ROOT / "docs/study/h20-256")
+          ROOT / "docs/study/h20-256/points")
 OUT = ROOT / "docs/study/h20-model-error/model_error.json"
 DRAW_SEED = 0
 
