@@ -184,6 +184,35 @@ def test_cpu_kernel_decode_head_sizes(d, page_size) -> None:
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("sharp", [1.0, 40.0], ids=["plain", "sharp"])
+def test_cpu_kernel_decode_softmax_edges(sharp) -> None:
+    """The vector softmax and the paged row walk: every context length around the 8-lane
+    width (1-17 keys; 8k + 0..7 past one and many pages) and, with ``sharp``, scores that
+    span hundreds, so most weights fall below e^-87 where the vector exp clamps its argument:
+    equal to an fp64 softmax over the same keys."""
+    op = decode_op()
+    g = torch.Generator().manual_seed(5)
+    lens = [*range(1, 18), *range(64, 72), *range(1000, 1008)]
+    S, D, H, KVH = 16, 64, 4, 2
+    counts = [-(-n // S) for n in lens]
+    kc = torch.randn(KVH, sum(counts), S, D, generator=g)
+    vc = torch.randn(KVH, sum(counts), S, D, generator=g)
+    pages = torch.randperm(sum(counts), generator=g)
+    lo = [sum(counts[:i]) for i in range(len(lens))]
+    q = torch.randn(len(lens), H, D, generator=g)
+    scale = sharp * D ** -0.5
+    out = op(q, kc, vc, pages, torch.tensor(lo), torch.tensor(lens), scale)
+    for b, n in enumerate(lens):
+        table = pages[lo[b] : lo[b] + counts[b]]
+        keys = kc[:, table].reshape(KVH, -1, D)[:, :n].double()
+        values = vc[:, table].reshape(KVH, -1, D)[:, :n].double()
+        kv = torch.arange(H) // (H // KVH)
+        w = torch.softmax(torch.einsum("hd,hld->hl", q[b].double(), keys[kv]) * scale, -1)
+        ref = torch.einsum("hl,hld->hd", w, values[kv])
+        torch.testing.assert_close(out[b].double(), ref, atol=1e-5 * sharp, rtol=1e-5)
+
+
 needs_prefill_kernel = pytest.mark.skipif(
     prefill_op() is None, reason="the CPU prefill kernel is not built (no AVX512_BF16)")
 
