@@ -3,6 +3,8 @@ on this machine, one server after the other in one run.
 
     python benchmarks/peers/run_peers.py                     # install what is missing, run all
     python benchmarks/peers/run_peers.py --sessions 8 --rounds 3   # a quicker look
+    python benchmarks/peers/run_peers.py --workload chat --output-len 48:96 \
+        --servers vllm,hlserve-throughput,hlserve-throughput,vllm   # unique prompts, 8 clients
     python benchmarks/peers/run_peers.py --profile results/peers/prof   # + py-spy of hlserve
     python benchmarks/peers/run_peers.py --model smollm2-135m \
         --servers vllm,hlserve-throughput,hlserve-throughput,vllm   # the real model, A B B A
@@ -235,7 +237,8 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=int, default=4, help="KV cache of each server, GiB")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--system-prompt-len", type=int, default=1024)
+    ap.add_argument("--system-prompt-len", type=int, default=None,
+                    help="shared system prompt tokens (default 1024; chat: 0, no reuse)")
     ap.add_argument("--task-len", type=int, default=128)
     ap.add_argument("--tool-output-len", default="128:384")
     ap.add_argument("--output-len", default="32:96")
@@ -245,13 +248,19 @@ def main() -> int:
                          "--variant 'nocap=--max-step-seconds none' with --servers "
                          "hlserve-throughput,hlserve-throughput@nocap,...; vLLM's too "
                          "(vllm@NAME)")
-    ap.add_argument("--workload", choices=["agent", "coding"], default="agent",
+    ap.add_argument("--workload", choices=["agent", "coding", "chat"], default="agent",
                     help="coding: hlserve bench's coding pipeline (a real model's chat "
-                         "template renders it: with --model; lengths not pinned)")
+                         "template renders it: with --model; lengths not pinned); chat: "
+                         "unique prompts, no prefix reuse, --sessions clients in a closed "
+                         "loop over --num-prompts prompts of --input-len tokens")
+    ap.add_argument("--num-prompts", type=int, default=48, help="chat: prompts in all")
+    ap.add_argument("--input-len", default="512:1536", help="chat: prompt tokens, LO:HI")
     ap.add_argument("--profile", type=Path, default=None,
                     help="also record py-spy stacks of the hlserve servers into this folder "
                          "(a separate, unmeasured pass after the measured one)")
     args = ap.parse_args()
+    if args.system_prompt_len is None:
+        args.system_prompt_len = 0 if args.workload == "chat" else 1024
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     variants = {k: shlex.split(v) for k, v in (x.split("=", 1) for x in args.variant)}
@@ -265,11 +274,19 @@ def main() -> int:
                      tokenizer=str(model) if args.workload == "coding" else None,
                      rounds=args.rounds, system_prompt_len=args.system_prompt_len,
                      task_len=args.task_len, tool_output_len=parse_range(args.tool_output_len),
-                     output_len=parse_range(args.output_len), seed=args.seed, timeout=1800)
-    warm = replace(spec, sessions=4, rounds=1, seed=args.seed + 1000, progress=False)
-    print(f"workload: {args.sessions} sessions x {args.rounds} rounds, system "
-          f"{args.system_prompt_len}, task {args.task_len}, tool {args.tool_output_len}, "
-          f"output {args.output_len}; model {model}")
+                     output_len=parse_range(args.output_len), seed=args.seed, timeout=1800,
+                     num_prompts=args.num_prompts, input_len=parse_range(args.input_len),
+                     max_concurrency=args.sessions if args.workload == "chat" else None)
+    warm = replace(spec, sessions=4, rounds=1, num_prompts=4, seed=args.seed + 1000,
+                   progress=False)
+    if args.workload == "chat":
+        print(f"workload: {args.num_prompts} unique prompts of {args.input_len} tokens "
+              f"(system prompt {args.system_prompt_len}), "
+              f"output {args.output_len}, {args.sessions} clients; model {model}")
+    else:
+        print(f"workload: {args.sessions} sessions x {args.rounds} rounds, system "
+              f"{args.system_prompt_len}, task {args.task_len}, tool {args.tool_output_len}, "
+              f"output {args.output_len}; model {model}")
 
     results: dict[str, dict] = {}
     for name in servers:
