@@ -310,11 +310,11 @@ void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t l
 
 #if defined(__AVX2__) && defined(__FMA__)
 // ---- softmax on 8 lanes (AVX2 + FMA; AVX-512 hosts take it too) ---------------------------
-// A scalar std::exp per score was a third of a decode call on an AVX2 host. exp8: 2^n * p(r)
-// with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness) and p Cephes'
-// degree-7 expf polynomial: relative error about 1e-7, as std::exp in fp32. Arguments are
-// s - max <= 0; below -87 they are clamped (e^-87 ~ 1.6e-38, a weight of nothing), which
-// keeps 2^n a normal float. A NaN stays NaN (max_ps returns its second operand on NaN).
+// A scalar std::exp per score was about a tenth of a decode call on an AVX2 host. exp8:
+// 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness) and
+// p Cephes' degree-7 expf polynomial: relative error about 1e-7, as std::exp in fp32.
+// Arguments are s - max <= 0; below -87 they are clamped (e^-87 ~ 1.6e-38, a weight of
+// nothing), which keeps 2^n a normal float. A NaN stays NaN (max_ps returns its second operand on NaN).
 #include <immintrin.h>
 
 namespace vexp {
