@@ -1,4 +1,5 @@
-// Vector math shared by the AVX512_BF16 kernels (the prefill attention kernels, fused_ops.cpp).
+// Vector math shared by the kernels: 16 lanes for the AVX512_BF16 ones (the prefill attention
+// kernels, fused_ops.cpp), 8 lanes for the AVX2 paths (decode_attention.cpp, linear_bf16.cpp).
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -42,4 +43,47 @@ inline __m512 exp2_ps(__m512 x) {
 
 }  // namespace hlserve_avx
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- 8 lanes (AVX2 + FMA; AVX-512 hosts take it too) -------------------------------------
+// exp8 is exp_ps above in 8 lanes, for the decode softmax (a scalar std::exp per score was
+// about a tenth of a decode call on an AVX2 host). Its arguments are s - max <= 0: below -87
+// they are clamped (e^-87 ~ 1.6e-38, a weight of nothing), which keeps 2^n a normal float;
+// a NaN stays NaN (max_ps returns its second operand on NaN). hmax and hsum reduce 8 lanes.
+#include <immintrin.h>
+
+namespace hlserve_avx2 {
+
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+}  // namespace hlserve_avx2
 #endif

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include "avx512_math.h"
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -308,49 +310,6 @@ void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t l
 }  // namespace avx2
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-// ---- softmax on 8 lanes (AVX2 + FMA; AVX-512 hosts take it too) ---------------------------
-// A scalar std::exp per score was about a tenth of a decode call on an AVX2 host. exp8:
-// 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness) and
-// p Cephes' degree-7 expf polynomial: relative error about 1e-7, as std::exp in fp32.
-// Arguments are s - max <= 0; below -87 they are clamped (e^-87 ~ 1.6e-38, a weight of
-// nothing), which keeps 2^n a normal float. A NaN stays NaN (max_ps returns its second operand on NaN).
-#include <immintrin.h>
-
-namespace vexp {
-
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-}  // namespace vexp
-#endif
 
 // rows of ``scores`` [G][len] -> exp(s - max) in place; inv[g] = 1 / their sum
 inline void softmax_rows(float* __restrict scores, int64_t G, int64_t len, float* __restrict inv) {
@@ -363,17 +322,17 @@ inline void softmax_rows(float* __restrict scores, int64_t G, int64_t len, float
     if (len8) {
       __m256 vm = _mm256_loadu_ps(sg);
       for (j = 8; j < len8; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j));
-      m = vexp::hmax(vm);
+      m = hlserve_avx2::hmax(vm);
     }
     for (j = len8; j < len; ++j) m = std::max(m, sg[j]);
     const __m256 vmax = _mm256_set1_ps(m);
     __m256 vs = _mm256_setzero_ps();
     for (j = 0; j < len8; j += 8) {
-      const __m256 e = vexp::exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmax));
+      const __m256 e = hlserve_avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmax));
       _mm256_storeu_ps(sg + j, e);
       vs = _mm256_add_ps(vs, e);
     }
-    sum = vexp::hsum(vs);
+    sum = hlserve_avx2::hsum(vs);
 #else
     for (j = 1; j < len; ++j) m = std::max(m, sg[j]);
     j = 0;

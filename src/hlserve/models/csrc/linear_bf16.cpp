@@ -14,6 +14,8 @@
 #include <cstring>
 #include <vector>
 
+#include "avx512_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -24,12 +26,6 @@ constexpr int64_t kNR = 3;  // weight rows per tile: 4 x 3 accumulators + 3 + 1 
 inline __m256 widen8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
 inline float widen1(c10::BFloat16 x) {
@@ -56,7 +52,7 @@ inline void tile(const float* x, const c10::BFloat16* w, int64_t K, float* out, 
   }
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
-      float s = hsum(acc[m][n]);
+      float s = hlserve_avx2::hsum(acc[m][n]);
       for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * widen1(w[n * K + kk]);
       out[m * ldo + n] = s;
     }
