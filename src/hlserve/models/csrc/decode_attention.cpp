@@ -65,8 +65,9 @@ struct RowCursor {
 #if defined(__AVX512F__)
 // ---- AVX-512 path (bf16 / fp16 / fp32 pools, head_dim a multiple of 16) -------------------
 // Scores: a tile of 16 keys is converted to fp32 once; each query row's 16 dot products are
-// summed into one vector by a transpose-reduce (no horizontal add per key). Values: per
-// 16-lane slice of head_dim, the G accumulators stay in registers across the whole context.
+// summed into one vector by a transpose-reduce (no horizontal add per key). Values: blocks
+// of 16 keys into an fp32 [G][D] accumulator in L1, G accumulators in registers per 16-lane
+// slice. Both passes read rows through RowCursor (page walk without division, prefetch).
 #include <immintrin.h>
 
 namespace avx {
@@ -115,13 +116,13 @@ void scores_pass(const float* __restrict qf, const T* __restrict kbase,
     perm = _mm512_load_si512(idx);
   }
   const int64_t C = D / 16;
+  RowCursor<T> keys{kbase, table, S, D, (len + S - 1) / S};
   for (int64_t l0 = 0; l0 < len; l0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - l0);
     for (int64_t r = 0; r < 16; ++r) {
       float* dst = tile + r * D;
       if (r < n) {
-        const int64_t l = l0 + r;
-        const T* kr = kbase + (table[l / S] * S + l % S) * D;
+        const T* kr = keys.next();
         for (int64_t c = 0; c < C; ++c) _mm512_store_ps(dst + 16 * c, load16(kr + 16 * c));
       } else {
         for (int64_t c = 0; c < C; ++c) _mm512_store_ps(dst + 16 * c, _mm512_setzero_ps());
@@ -144,48 +145,56 @@ void scores_pass(const float* __restrict qf, const T* __restrict kbase,
   }
 }
 
+// acc[g][0..D) += sum over the block's n rows of w[g][ls[r]] * v[r], for GT rows g: per
+// 16-lane slice of head_dim, the GT accumulators stay in registers over the block's rows
 template <typename T, int GT>
-void values_block(const float* __restrict w /* [G][len], exp'd */, const T* __restrict vbase,
-                  const int64_t* __restrict table, int64_t len, int64_t S, int64_t D,
-                  const float* __restrict inv, T* __restrict out, int64_t out_stride) {
+inline void values_slices(const float* __restrict w, int64_t len, const T* const* rows,
+                          const int64_t* ls, int64_t n, int64_t D, float* __restrict acc) {
   for (int64_t c = 0; c < D; c += 16) {
-    __m512 acc[GT];
-    for (int g = 0; g < GT; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t p = 0, l = 0; l < len; ++p) {
-      const T* page = vbase + table[p] * S * D + c;
-      const int64_t n = std::min(S, len - l);
-      for (int64_t r = 0; r < n; ++r, ++l) {
-        const __m512 v = load16(page + r * D);
-        for (int g = 0; g < GT; ++g)
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * len + l]), v, acc[g]);
-      }
+    __m512 a[GT];
+    for (int g = 0; g < GT; ++g) a[g] = _mm512_loadu_ps(acc + g * D + c);
+    for (int64_t r = 0; r < n; ++r) {
+      const __m512 v = load16(rows[r] + c);
+      for (int g = 0; g < GT; ++g)
+        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * len + ls[r]]), v, a[g]);
     }
-    for (int g = 0; g < GT; ++g) {
-      alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv[g])));
-      for (int i = 0; i < 16; ++i) out[g * out_stride + c + i] = static_cast<T>(tmp[i]);
-    }
+    for (int g = 0; g < GT; ++g) _mm512_storeu_ps(acc + g * D + c, a[g]);
   }
 }
 
+// Values in blocks of 16 rows read through the page table once (RowCursor's walk and
+// prefetch), into an fp32 [G][D] accumulator that stays in L1. (It walked the context once
+// per 16-lane slice of head_dim before, with no prefetch: D / 16 passes over V.)
 template <typename T>
 void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t len, int64_t S,
-                 int64_t G, int64_t D, const float* inv, T* out) {
-  for (int64_t g0 = 0; g0 < G; g0 += 8) {
-    const int64_t gb = std::min<int64_t>(8, G - g0);
-    const float* wg = w + g0 * len;
-    T* og = out + g0 * D;
-    switch (gb) {
-      case 1: values_block<T, 1>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      case 2: values_block<T, 2>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      case 3: values_block<T, 3>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      case 4: values_block<T, 4>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      case 5: values_block<T, 5>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      case 6: values_block<T, 6>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      case 7: values_block<T, 7>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
-      default: values_block<T, 8>(wg, vbase, table, len, S, D, inv + g0, og, D); break;
+                 int64_t G, int64_t D, const float* inv, float* acc /* [G][D] */, T* out) {
+  std::fill(acc, acc + G * D, 0.f);
+  const T* rows[16];
+  int64_t ls[16];
+  RowCursor<T> values{vbase, table, S, D, (len + S - 1) / S};
+  for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - l0);
+    for (int64_t r = 0; r < n; ++r) {
+      ls[r] = l0 + r;
+      rows[r] = values.next();
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      const float* wg = w + g0 * len;
+      float* ag = acc + g0 * D;
+      switch (std::min<int64_t>(8, G - g0)) {
+        case 1: values_slices<T, 1>(wg, len, rows, ls, n, D, ag); break;
+        case 2: values_slices<T, 2>(wg, len, rows, ls, n, D, ag); break;
+        case 3: values_slices<T, 3>(wg, len, rows, ls, n, D, ag); break;
+        case 4: values_slices<T, 4>(wg, len, rows, ls, n, D, ag); break;
+        case 5: values_slices<T, 5>(wg, len, rows, ls, n, D, ag); break;
+        case 6: values_slices<T, 6>(wg, len, rows, ls, n, D, ag); break;
+        case 7: values_slices<T, 7>(wg, len, rows, ls, n, D, ag); break;
+        default: values_slices<T, 8>(wg, len, rows, ls, n, D, ag); break;
+      }
     }
   }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = static_cast<T>(acc[g * D + i] * inv[g]);
 }
 
 }  // namespace avx
@@ -367,7 +376,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         const T* vbase = vc + h * P * S * D;
         avx::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
         softmax_rows(scores.data(), G, len, inv.data());
-        avx::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(),
+        avx::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
                             out + (b * H + h * G) * D);
         continue;
       }
