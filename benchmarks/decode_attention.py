@@ -11,6 +11,8 @@ the result is reported.
     python benchmarks/decode_attention.py                       # against HEAD
     python benchmarks/decode_attention.py --against HEAD~3 --batch 32 --contexts 4000,8000
     python benchmarks/decode_attention.py --against /tmp/variant   # sources in a directory
+    python benchmarks/decode_attention.py --against prefill-kernel # the route bf16 decodes
+                                        # take on AVX512_BF16 hosts: chunks of one query
 """
 
 from __future__ import annotations
@@ -55,6 +57,25 @@ def build_at(rev: str) -> Callable[..., torch.Tensor]:
     return module.decode_attention  # type: ignore[attr-defined,no-any-return]
 
 
+def prefill_kernel_as_decode() -> Callable[..., torch.Tensor]:
+    """The tiled prefill kernel called on decode inputs, as the runner sends bf16 decodes on
+    an AVX512_BF16 host: each sequence a chunk of one new query over ``len - 1`` cached
+    keys."""
+    op = cpu_kernels.prefill_op()
+    if op is None:
+        raise SystemExit("the prefill kernel is not built here (it needs AVX512_BF16)")
+
+    def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+               page_lo: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        b = q.shape[0]
+        op(out, q, k, v, pages, page_lo, torch.arange(b), torch.ones(b, dtype=torch.long),
+           lens - 1, scale)
+        return out
+
+    return decode
+
+
 def step_inputs(args: argparse.Namespace) -> tuple[tuple[object, ...], int]:
     """One layer's decode inputs, and the K and V bytes a call reads."""
     rng = random.Random(0)
@@ -86,7 +107,8 @@ def mean_ms(fn: Callable[[], object], budget_s: float = 0.5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", default="HEAD",
-                    help="git revision of the other build, or a directory of kernel sources")
+                    help="git revision of the other build, a directory of kernel sources, or "
+                         "prefill-kernel (this build's tiled prefill kernel on the same decodes)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", default="1400,3800", help="lo,hi context lengths")
     ap.add_argument("--heads", type=int, default=14)
@@ -98,7 +120,8 @@ def main() -> None:
     here = cpu_kernels.decode_op()
     if here is None:
         raise SystemExit("this checkout's decode kernel did not build")
-    other = build_at(args.against)
+    other = prefill_kernel_as_decode() if args.against == "prefill-kernel" \
+        else build_at(args.against)
     inputs, kv_bytes = step_inputs(args)
     ops = {"this checkout": here, args.against: other}
     diff = (ops["this checkout"](*inputs).float() - other(*inputs).float()).abs().max().item()

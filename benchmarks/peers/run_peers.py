@@ -56,7 +56,7 @@ from pathlib import Path
 from hlserve.bench.cli import parse_range
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
 from hlserve.models.resolve import resolve_model
-from hlserve.server.launch import ExternalServer, free_port
+from hlserve.server.launch import ExternalServer, free_port, stop_on_sigterm
 from hlserve.stats import clean, fmt_ci, mean_ci, ratio_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,6 +288,7 @@ def main() -> int:
               f"{args.system_prompt_len}, task {args.task_len}, tool {args.tool_output_len}, "
               f"output {args.output_len}; model {model}")
 
+    stop_on_sigterm()  # a stopped run takes its server (and vLLM's engine processes) with it
     results: dict[str, dict] = {}
     for name in servers:
         port = free_port()

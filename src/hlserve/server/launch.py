@@ -33,6 +33,18 @@ def port_free(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) != 0
 
 
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a job runner, ``kill``) into SystemExit in the main thread,
+    so that a server being started or used in a ``with`` block is torn down, group and all.
+    Python's default SIGTERM ends the process at once and left a vLLM server and its engine
+    processes running without a parent."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class ExternalServer:
     """Any server command in its own process group: started, waited for on ``/health``,
     stopped with SIGINT, SIGTERM, then SIGKILL to the whole group (engine workers and all),
@@ -86,21 +98,28 @@ class ExternalServer:
         out = self._log if self._log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True)
+        try:  # interrupted (Ctrl-C, SIGTERM via stop_on_sigterm) or failed: no orphans
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + self.health_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"the server exited with {code} before answering /health; "
-                                   f"command: {shlex.join(self.cmd)}; log tail:\n{self.log_tail()}")
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before "
+                                   f"answering /health; command: {shlex.join(self.cmd)}; log "
+                                   f"tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"the server did not answer /health within {self.health_timeout}s; "
                            f"log tail:\n{self.log_tail()}")
 
