@@ -13,6 +13,7 @@ the result is reported.
     python benchmarks/decode_attention.py --against /tmp/variant   # sources in a directory
     python benchmarks/decode_attention.py --against prefill-kernel # the route bf16 decodes
                                         # take on AVX512_BF16 hosts: chunks of one query
+    python benchmarks/decode_attention.py --kernel prefill --against HEAD  # that route, two builds
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from hlserve.models import cpu_kernels
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_at(rev: str) -> Callable[..., torch.Tensor]:
-    """The decode op compiled from ``rev``'s kernel sources (its own module name and build
+def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:
+    """The decode op (``kernel`` "decode") or the prefill kernel called on decodes
+    ("prefill") compiled from ``rev``'s kernel sources (its own module name and build
     directory, so it loads beside this checkout's)."""
     from torch.utils import cpp_extension
 
@@ -54,14 +56,17 @@ def build_at(rev: str) -> Callable[..., torch.Tensor]:
         name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._FLAGS,
         sources=[str(src / p.name) for p in cpu_kernels._SOURCES], extra_ldflags=["-fopenmp"],
         build_directory=str(src), verbose=False)
+    if kernel == "prefill":
+        return prefill_kernel_as_decode(module.prefill_attention)  # type: ignore[attr-defined]
     return module.decode_attention  # type: ignore[attr-defined,no-any-return]
 
 
-def prefill_kernel_as_decode() -> Callable[..., torch.Tensor]:
-    """The tiled prefill kernel called on decode inputs, as the runner sends bf16 decodes on
-    an AVX512_BF16 host: each sequence a chunk of one new query over ``len - 1`` cached
-    keys."""
-    op = cpu_kernels.prefill_op()
+def prefill_kernel_as_decode(op: Callable[..., object] | None = None
+                             ) -> Callable[..., torch.Tensor]:
+    """The tiled prefill kernel (this checkout's, or ``op``) called on decode inputs, as the
+    runner sends bf16 decodes on an AVX512_BF16 host: each sequence a chunk of one new query
+    over ``len - 1`` cached keys."""
+    op = op or cpu_kernels.prefill_op()
     if op is None:
         raise SystemExit("the prefill kernel is not built here (it needs AVX512_BF16)")
 
@@ -109,6 +114,9 @@ def main() -> None:
     ap.add_argument("--against", default="HEAD",
                     help="git revision of the other build, a directory of kernel sources, or "
                          "prefill-kernel (this build's tiled prefill kernel on the same decodes)")
+    ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode",
+                    help="the kernel of both builds: the decode kernel, or the tiled prefill "
+                         "kernel on the same decodes")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", default="1400,3800", help="lo,hi context lengths")
     ap.add_argument("--heads", type=int, default=14)
@@ -117,11 +125,11 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    here = cpu_kernels.decode_op()
+    here = cpu_kernels.decode_op() if args.kernel == "decode" else prefill_kernel_as_decode()
     if here is None:
         raise SystemExit("this checkout's decode kernel did not build")
     other = prefill_kernel_as_decode() if args.against == "prefill-kernel" \
-        else build_at(args.against)
+        else build_at(args.against, args.kernel)
     inputs, kv_bytes = step_inputs(args)
     ops = {"this checkout": here, args.against: other}
     diff = (ops["this checkout"](*inputs).float() - other(*inputs).float()).abs().max().item()
@@ -130,7 +138,7 @@ def main() -> None:
         order = list(ops) if r % 2 == 0 else list(ops)[::-1]
         for name in order + order[::-1]:  # A B B A
             times[name].append(mean_ms(lambda op=ops[name]: op(*inputs)))
-    print(f"{args.batch} sequences at {args.contexts} keys, {args.heads}/{args.kv_heads} heads, "
+    print(f"{args.kernel} kernel: {args.batch} sequences at {args.contexts} keys, {args.heads}/{args.kv_heads} heads, "
           f"head size {args.head_dim}, pages of {args.page_size}, bf16, "
           f"{torch.get_num_threads()} threads; {kv_bytes / 1e6:.1f} MB of K and V per call")
     print(f"{'kernel':>16} | ms per call (median) | range | KV GB/s")
