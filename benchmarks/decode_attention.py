@@ -53,7 +53,7 @@ def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:
             (src / path.name).write_text(text.stdout)
     print(f"building the kernel at {rev} (about a minute) ...", flush=True)
     module = cpp_extension.load(
-        name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._FLAGS,
+        name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._flags(),
         sources=[str(src / p.name) for p in cpu_kernels._SOURCES], extra_ldflags=["-fopenmp"],
         build_directory=str(src), verbose=False)
     if kernel == "prefill":

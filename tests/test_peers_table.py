@@ -45,3 +45,21 @@ def test_repeats_pair_by_cycle_and_flag_no_difference() -> None:
              "vllm#2": _r(1000, 100, 500), "x#2": _r(700, 100, 500)}
     row = next(line for line in rp.repeat_table(noisy).splitlines() if line.startswith("| x "))
     assert "no difference" in row or "(n=" in row
+
+
+def test_the_chat_workload_has_no_sessions_and_the_table_says_so() -> None:
+    """Unique prompts (``--workload chat``) have no session times; the run's table once
+    failed on them after every server had run, so no summary was written."""
+    rp = _module()
+    base = {"output_throughput": 27.0, "median_ttft_ms": 2349.0, "p99_ttft_ms": 16613.0,
+            "median_tpot_ms": 244.0, "p99_tpot_ms": 379.0, "failed": 0,
+            "median_session_time_s": None, "p90_session_time_s": None}
+    res = {"vllm": base | {"total_token_throughput": 414.0, "tokens_per_server_cpu_s": 209.0,
+                           "peak_rss_gib": 7.68},
+           "hlserve-throughput": base | {"total_token_throughput": 406.0,
+                                         "tokens_per_server_cpu_s": 225.0}}
+    row = next(line for line in rp.table(res).splitlines()
+               if line.startswith("| hlserve-throughput"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == "406" and cells[3] == "225" and cells[4] == "— / —"
+    assert cells[7] == "—" and cells[9] == "0.98x" and cells[10] == "—"

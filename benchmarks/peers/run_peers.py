@@ -365,15 +365,18 @@ def table(results: dict[str, dict]) -> str:
         a, b = r.get(key), ref.get(key)
         return f"{a / b:.2f}x" if a and b else "—"
 
+    def num(r: dict, key: str, spec: str) -> str:  # "—" where a workload has no such metric
+        v = r.get(key)
+        return "—" if v is None else format(v, spec)
+
     for name, r in results.items():
-        cpu = r.get("tokens_per_server_cpu_s")
         lines.append(
-            f"| {name} | {r['total_token_throughput'] or 0:,.0f} | {r['output_throughput']:.1f} | "
-            f"{'—' if cpu is None else f'{cpu:,.0f}'} | "
-            f"{r['median_session_time_s']:.1f} / {r['p90_session_time_s']:.1f} | "
-            f"{r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} | "
-            f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | "
-            f"{r.get('peak_rss_gib', float('nan')):.2f} | {r['failed']} | "
+            f"| {name} | {num(r, 'total_token_throughput', ',.0f')} | "
+            f"{num(r, 'output_throughput', '.1f')} | {num(r, 'tokens_per_server_cpu_s', ',.0f')} | "
+            f"{num(r, 'median_session_time_s', '.1f')} / {num(r, 'p90_session_time_s', '.1f')} | "
+            f"{num(r, 'median_ttft_ms', ',.0f')} / {num(r, 'p99_ttft_ms', ',.0f')} | "
+            f"{num(r, 'median_tpot_ms', '.0f')} / {num(r, 'p99_tpot_ms', '.0f')} | "
+            f"{num(r, 'peak_rss_gib', '.2f')} | {r['failed']} | "
             f"{ratio(r, 'total_token_throughput')} | {ratio(r, 'median_session_time_s')} | "
             f"{ratio(r, 'tokens_per_server_cpu_s')} |")
     return "\n".join(lines)

@@ -21,8 +21,10 @@ used by ``models/packed_linear.py``'s ``WideLinear`` at decode sizes): it reads 
 weight once and widens it in registers, where an fp32 copy would stream twice the bytes.
 
 The extension is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja)
-with ``-march=native`` into a cache directory keyed by the source, torch's version and this
-machine's CPU flags, so a shared cache never serves a build for another CPU. Where it cannot
+with ``-march=native`` into a cache directory keyed by the source, torch's version, the flags
+and this machine's CPU flags, so a shared cache never serves a build for another CPU.
+``HLSERVE_CPU_ARCH=x86-64-v3`` builds for AVX2 + FMA without AVX-512 instead (the kernels an
+AVX2-only host gets), so those paths can be tested on an AVX-512 machine. Where it cannot
 be built, or ``HLSERVE_CPU_KERNELS=0``, ``decode_op()``, ``prefill_op()`` and ``fused_ops()``
 are None: attention and the layer ops take the PyTorch path; the reason is logged once.
 """
@@ -47,7 +49,13 @@ _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                        "fused_ops.cpp", "linear_bf16.cpp")]
 # included by the sources: part of the build's key
 _HEADERS = [_CSRC / name for name in ("avx512_math.h", "bf16_tile.h")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+def _flags() -> list[str]:
+    """The compiler flags. ``HLSERVE_CPU_ARCH`` (default ``native``) is ``-march``'s target:
+    ``x86-64-v3`` builds the AVX2 paths on an AVX-512 host, so they can be tested there."""
+    return ["-O3", f"-march={os.environ.get('HLSERVE_CPU_ARCH') or 'native'}", "-ffast-math",
+            "-fopenmp"]
+
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -73,7 +81,7 @@ def build_dir() -> Path:
     texts = [src.read_text() for src in [*_SOURCES, *_HEADERS]]
     # the sources' directory too: ninja's build file names them by absolute path, so two
     # checkouts of the same sources sharing one directory rebuilt it for each other in turn
-    key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(), " ".join(_FLAGS),
+    key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(), " ".join(_flags()),
                                     str(_SOURCES[0].parent.resolve())]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HLSERVE_KERNEL_CACHE")
                 or Path.home() / ".cache" / "hlserve" / "kernels")
@@ -89,7 +97,7 @@ def _build() -> object:
         log.warning("building the CPU attention kernels (once per machine, about a "
                     "minute) into %s", out)
     return cpp_extension.load(name="hlserve_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                              extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
                               build_directory=str(out), verbose=False)
 
 

@@ -90,8 +90,9 @@ class TorchRunner(Runner):
         self.decode_path = self._decode_path(mc.head_dim)
         self.prefill_path = self._prefill_path(mc.head_dim)
         if self.prefill_path == "cpu_kernel":
-            # decodes ride in the prefill kernel's call as chunks of one query: its bf16 dot
-            # products beat the fp32 decode kernel by ~1.4x on one layer (docs/bench.md)
+            # decodes ride in the prefill kernel's call as chunks of one query: since the
+            # decode kernel's page walk and prefetch the two are equal at 1.4-3.8K keys and
+            # the prefill kernel's bf16 dot products are 1.27x faster at 4-8K (docs/bench.md)
             self.decode_path = "prefill_kernel"
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}

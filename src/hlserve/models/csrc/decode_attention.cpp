@@ -162,41 +162,6 @@ inline void values_slices(const float* __restrict w, int64_t len, const T* const
   }
 }
 
-// Values in blocks of 16 rows read through the page table once (RowCursor's walk and
-// prefetch), into an fp32 [G][D] accumulator that stays in L1. (It walked the context once
-// per 16-lane slice of head_dim before, with no prefetch: D / 16 passes over V.)
-template <typename T>
-void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t len, int64_t S,
-                 int64_t G, int64_t D, const float* inv, float* acc /* [G][D] */, T* out) {
-  std::fill(acc, acc + G * D, 0.f);
-  const T* rows[16];
-  int64_t ls[16];
-  RowCursor<T> values{vbase, table, S, D, (len + S - 1) / S};
-  for (int64_t l0 = 0; l0 < len; l0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - l0);
-    for (int64_t r = 0; r < n; ++r) {
-      ls[r] = l0 + r;
-      rows[r] = values.next();
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += 8) {
-      const float* wg = w + g0 * len;
-      float* ag = acc + g0 * D;
-      switch (std::min<int64_t>(8, G - g0)) {
-        case 1: values_slices<T, 1>(wg, len, rows, ls, n, D, ag); break;
-        case 2: values_slices<T, 2>(wg, len, rows, ls, n, D, ag); break;
-        case 3: values_slices<T, 3>(wg, len, rows, ls, n, D, ag); break;
-        case 4: values_slices<T, 4>(wg, len, rows, ls, n, D, ag); break;
-        case 5: values_slices<T, 5>(wg, len, rows, ls, n, D, ag); break;
-        case 6: values_slices<T, 6>(wg, len, rows, ls, n, D, ag); break;
-        case 7: values_slices<T, 7>(wg, len, rows, ls, n, D, ag); break;
-        default: values_slices<T, 8>(wg, len, rows, ls, n, D, ag); break;
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < D; ++i) out[g * D + i] = static_cast<T>(acc[g * D + i] * inv[g]);
-}
-
 }  // namespace avx
 #endif
 
@@ -283,10 +248,23 @@ inline void values_slices(const float* __restrict w, int64_t len, const T* const
   }
 }
 
+}  // namespace avx2
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+namespace simd = avx;
+#else
+namespace simd = avx2;
+#endif
+
+// Values in blocks of 16 rows read through the page table once (RowCursor's walk and
+// prefetch) into an fp32 [G][D] accumulator that stays in L1; each block's rows go through
+// simd::values_slices, G accumulators in registers per slice of head_dim. (The AVX-512 path
+// walked the context once per 16-lane slice before, with no prefetch: D / 16 passes over V.)
 template <typename T>
 void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t len, int64_t S,
-                 int64_t G, int64_t D, const float* inv, float* acc /* [G][D] */,
-                 T* out) {
+                 int64_t G, int64_t D, const float* inv, float* acc /* [G][D] */, T* out) {
   std::fill(acc, acc + G * D, 0.f);
   const T* rows[16];
   int64_t ls[16];
@@ -301,22 +279,20 @@ void values_pass(const float* w, const T* vbase, const int64_t* table, int64_t l
       const float* wg = w + g0 * len;
       float* ag = acc + g0 * D;
       switch (std::min<int64_t>(8, G - g0)) {
-        case 1: values_slices<T, 1>(wg, len, rows, ls, n, D, ag); break;
-        case 2: values_slices<T, 2>(wg, len, rows, ls, n, D, ag); break;
-        case 3: values_slices<T, 3>(wg, len, rows, ls, n, D, ag); break;
-        case 4: values_slices<T, 4>(wg, len, rows, ls, n, D, ag); break;
-        case 5: values_slices<T, 5>(wg, len, rows, ls, n, D, ag); break;
-        case 6: values_slices<T, 6>(wg, len, rows, ls, n, D, ag); break;
-        case 7: values_slices<T, 7>(wg, len, rows, ls, n, D, ag); break;
-        default: values_slices<T, 8>(wg, len, rows, ls, n, D, ag); break;
+        case 1: simd::values_slices<T, 1>(wg, len, rows, ls, n, D, ag); break;
+        case 2: simd::values_slices<T, 2>(wg, len, rows, ls, n, D, ag); break;
+        case 3: simd::values_slices<T, 3>(wg, len, rows, ls, n, D, ag); break;
+        case 4: simd::values_slices<T, 4>(wg, len, rows, ls, n, D, ag); break;
+        case 5: simd::values_slices<T, 5>(wg, len, rows, ls, n, D, ag); break;
+        case 6: simd::values_slices<T, 6>(wg, len, rows, ls, n, D, ag); break;
+        case 7: simd::values_slices<T, 7>(wg, len, rows, ls, n, D, ag); break;
+        default: simd::values_slices<T, 8>(wg, len, rows, ls, n, D, ag); break;
       }
     }
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; ++i) out[g * D + i] = static_cast<T>(acc[g * D + i] * inv[g]);
 }
-
-}  // namespace avx2
 #endif
 
 
@@ -376,7 +352,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         const T* vbase = vc + h * P * S * D;
         avx::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
         softmax_rows(scores.data(), G, len, inv.data());
-        avx::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
+        values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
                             out + (b * H + h * G) * D);
         continue;
       }
@@ -386,7 +362,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         const T* vbase = vc + h * P * S * D;
         avx2::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
         softmax_rows(scores.data(), G, len, inv.data());
-        avx2::values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
+        values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
                              out + (b * H + h * G) * D);
         continue;
       }
