@@ -425,6 +425,19 @@ def test_kernel_switch_off_gives_the_pytorch_path(monkeypatch: pytest.MonkeyPatc
     assert cpu_kernels.prefill_op() is None
 
 
+def test_cpu_arch_picks_the_target_and_its_own_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HLSERVE_CPU_ARCH=x86-64-v3 compiles for AVX2 without AVX-512 (the AVX2 paths, testable
+    on an AVX-512 host) into a cache directory of its own, never the native build's."""
+    from hlserve.models import cpu_kernels
+
+    monkeypatch.delenv("HLSERVE_CPU_ARCH", raising=False)
+    native = cpu_kernels.build_dir()
+    assert "-march=native" in cpu_kernels._flags()
+    monkeypatch.setenv("HLSERVE_CPU_ARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in cpu_kernels._flags()
+    assert cpu_kernels.build_dir() != native
+
+
 def test_masked_fallback_matches_lse_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the CPU LSE kernel, prefill over a context falls back to one masked call."""
     seqs = [(40, 17), (3, 30)]

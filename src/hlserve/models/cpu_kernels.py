@@ -49,6 +49,8 @@ _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                        "fused_ops.cpp", "linear_bf16.cpp")]
 # included by the sources: part of the build's key
 _HEADERS = [_CSRC / name for name in ("avx512_math.h", "bf16_tile.h")]
+
+
 def _flags() -> list[str]:
     """The compiler flags. ``HLSERVE_CPU_ARCH`` (default ``native``) is ``-march``'s target:
     ``x86-64-v3`` builds the AVX2 paths on an AVX-512 host, so they can be tested there."""
