@@ -319,6 +319,8 @@ def main() -> int:
                 res["tokens_per_server_cpu_s"] = (res["total_input_tokens"]
                                                   + res["total_output_tokens"]) / (cpu1 - cpu0)
                 res["output_tokens_per_server_cpu_s"] = res["total_output_tokens"] / (cpu1 - cpu0)
+            # the server's CPU and memory in its own result file too, not only in the summary
+            (args.out / f"{run}.json").write_text(json.dumps(res, indent=2) + "\n")
             print(f"server CPU: {res.get('server_cpu_s', float('nan')):.0f} s "
                   f"({res.get('tokens_per_server_cpu_s', float('nan')):.0f} tokens per "
                   f"CPU-second); peak RSS {res['peak_rss_gib']:.2f} GiB", flush=True)
