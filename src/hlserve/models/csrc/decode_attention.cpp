@@ -72,6 +72,8 @@ struct RowCursor {
 
 namespace avx {
 
+constexpr int64_t LANES = 16;  // fp32 lanes per vector: head_dim must be a multiple
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -174,6 +176,8 @@ inline void values_slices(const float* __restrict w, int64_t len, const T* const
 #include <immintrin.h>
 
 namespace avx2 {
+
+constexpr int64_t LANES = 8;  // fp32 lanes per vector: head_dim must be a multiple
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -346,24 +350,14 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
       scores.resize(G * len);
       const T* qb = q + (b * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qb[i]) * scale;
-#if defined(__AVX512F__)
-      if constexpr (D % 16 == 0 && !std::is_same_v<T, double>) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+      if constexpr (D % simd::LANES == 0 && !std::is_same_v<T, double>) {
         const T* kbase = kc + h * P * S * D;
         const T* vbase = vc + h * P * S * D;
-        avx::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
+        simd::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
         softmax_rows(scores.data(), G, len, inv.data());
         values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
-                            out + (b * H + h * G) * D);
-        continue;
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (D % 8 == 0 && !std::is_same_v<T, double>) {
-        const T* kbase = kc + h * P * S * D;
-        const T* vbase = vc + h * P * S * D;
-        avx2::scores_pass<T>(qf.data(), kbase, table, len, S, G, D, scores.data());
-        softmax_rows(scores.data(), G, len, inv.data());
-        values_pass<T>(scores.data(), vbase, table, len, S, G, D, inv.data(), acc.data(),
-                             out + (b * H + h * G) * D);
+                       out + (b * H + h * G) * D);
         continue;
       }
 #endif
