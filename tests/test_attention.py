@@ -26,6 +26,7 @@ from hlserve.models.packed_linear import (
     WideLinear,
     can_prepack,
     can_widen,
+    prepack_linears,
 )
 from support import hf_greedy, load_benchmark
 
@@ -575,6 +576,8 @@ def test_bf16_engine_prepacks_and_keeps_its_tokens(tiny_model_dirs) -> None:
     llm = LLM(str(path), dtype="bfloat16")
     model = llm.engine.runner.model
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, PackedLinear)  # merged, then packed
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(model.lm_head, PackedLinear)
     packed = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     with pytest.MonkeyPatch.context() as mp:
@@ -690,3 +693,48 @@ def test_linear_benchmark_runs_its_table(capsys, monkeypatch) -> None:
     bench.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| small")]
     assert len(rows) == 1 and rows[0].count("|") == 8 and " - " not in rows[0]
+
+
+# ---- q/k/v and gate/up merged into one GEMM each --------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merged_projections_give_the_same_hidden_states(tiny_model_dirs, arch: str,
+                                                        dtype: torch.dtype) -> None:
+    """merge_projections (what the runner does after loading) changes no output bit: q/k/v
+    bias (qwen2), q/k norms (qwen3) and the CPU MLP's 512-row passes (a 600-token prompt)
+    included; packed for oneDNN as the runner packs bf16."""
+    from hlserve.models.llama import CPU_MLP_ROWS
+    from hlserve.models.loader import load_model
+
+    separate, _ = load_model(str(tiny_model_dirs[arch]), dtype, torch.device("cpu"))
+    merged, _ = load_model(str(tiny_model_dirs[arch]), dtype, torch.device("cpu"))
+    merged.merge_projections()
+    layer = merged.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
+    if dtype == torch.bfloat16 and can_prepack(torch.device("cpu"), dtype):
+        prepack_linears(separate)
+        prepack_linears(merged)
+    n = CPU_MLP_ROWS + 88
+    ids = torch.randint(0, separate.config.vocab_size, (n,),
+                        generator=torch.Generator().manual_seed(3))
+    meta, caches = _fresh_prompt_meta(separate, n, dtype)
+    with torch.inference_mode():
+        want = separate(ids, torch.arange(n), caches, meta)
+        meta, caches = _fresh_prompt_meta(merged, n, dtype)
+        got = merged(ids, torch.arange(n), caches, meta)
+    assert torch.equal(got, want)
+
+
+def _fresh_prompt_meta(model: torch.nn.Module, n: int, dtype: torch.dtype):
+    """KV pages and attention metadata for one fresh prompt of ``n`` tokens (page size 16)."""
+    cfg = model.config
+    pages = -(-n // 16)
+    caches = [tuple(torch.zeros(attn.kv_cache_shape(pages, 16, cfg.num_key_value_heads,
+                                                    cfg.head_dim), dtype=dtype)
+                    for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
+    seg = attn.Segment(start=0, end=n, context_len=0)  # fresh: nothing cached
+    meta = attn.AttentionMetadata(slot_mapping=torch.arange(n), segments=[seg])
+    return meta, caches

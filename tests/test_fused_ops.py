@@ -84,3 +84,25 @@ def test_other_dtypes_take_the_pytorch_path() -> None:
     q = torch.randn(3, 2, 32)
     cos, sin = torch.randn(3, 32), torch.randn(3, 32)
     assert torch.equal(fused.rope(q, cos, sin), torch_rope(q, cos, sin))
+
+
+@needs_fused
+def test_silu_mul_and_rope_read_the_halves_of_a_merged_gemm_output() -> None:
+    """gate and up as the two halves of gate_up_proj's [T, 2F] output, q and k as column
+    blocks of qkv_proj's: the C++ ops take those views (rows at the merged output's stride)
+    and give exactly what they give on contiguous copies."""
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(37, 2 * 100, generator=g) * 4).bfloat16()
+    gate, up = gate_up[:, :100], gate_up[:, 100:]
+    assert fused._kernel(gate, rows=True) is not None  # the C++ path, not the fallback
+    got = fused.silu_mul(gate, up)
+    assert got.is_contiguous()
+    assert torch.equal(got, fused.silu_mul(gate.contiguous(), up.contiguous()))
+    qkv = torch.randn(5, (4 + 2 + 2) * 64, generator=g).bfloat16()
+    cos, sin = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    k = qkv[:, 256:384].view(5, 2, 64)
+    want = fused.rope(k.contiguous(), cos, sin)
+    before = qkv.clone()
+    fused.rope(k, cos, sin)  # in place, through the view
+    assert torch.equal(qkv[:, 256:384].view(5, 2, 64), want)
+    assert torch.equal(qkv[:, :256], before[:, :256]) and torch.equal(qkv[:, 384:], before[:, 384:])

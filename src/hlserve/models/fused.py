@@ -16,11 +16,20 @@ import torch.nn.functional as F
 from hlserve.models.cpu_kernels import fused_ops
 
 
-def _kernel(x: torch.Tensor) -> object | None:
-    """The C++ ops where they apply to ``x``: a contiguous bf16 tensor on the CPU."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not x.is_contiguous():
+def _kernel(x: torch.Tensor, rows: bool = False) -> object | None:
+    """The C++ ops where they apply to ``x``: a contiguous bf16 tensor on the CPU, or with
+    ``rows``, one whose rows are contiguous at any row stride (a slice of a merged GEMM's
+    output: q and k of qkv_proj, gate and up of gate_up_proj)."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return None
+    if not (_contiguous_rows(x) if rows else x.is_contiguous()):
         return None
     return fused_ops()
+
+
+def _contiguous_rows(x: torch.Tensor) -> bool:
+    """Everything after the first dimension laid out as one contiguous block."""
+    return x[0].is_contiguous() if x.shape[0] else x.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,8 +62,9 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    op = _kernel(gate)
-    if op is not None and up.is_contiguous() and up.dtype == gate.dtype:
+    """silu(gate) * up for ``gate``, ``up`` [T, F] (the halves of gate_up_proj's output)."""
+    op = _kernel(gate, rows=True)
+    if op is not None and gate.dim() == 2 and _contiguous_rows(up) and up.dtype == gate.dtype:
         return op.silu_mul(gate, up)  # type: ignore[attr-defined,no-any-return]
     return F.silu(gate) * up
 
@@ -62,7 +72,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [T, heads, D] by fp32 ``cos``/``sin`` [T, D], cast to x's
     dtype as the reference does. The C++ op rotates ``x`` in place."""
-    op = _kernel(x)
+    op = _kernel(x, rows=True)
     if op is not None and x.shape[-1] % 32 == 0 and cos.is_contiguous() and sin.is_contiguous():
         op.rope_(x, cos, sin)  # type: ignore[attr-defined]
         return x

@@ -60,6 +60,7 @@ class TorchRunner(Runner):
         mc = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.model.merge_projections()  # q/k/v and gate/up as one GEMM each
         if can_prepack(self.device, self.dtype):
             prepack_linears(self.model)
         elif can_widen(self.device, self.dtype):

@@ -123,35 +123,44 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& a, const torc
   return out;
 }
 
-// [T, 2F] (gate | up, as one GEMM's output, or two [T, F]) -> bf16(bf16(silu(gate)) * up)
+// gate, up [T, F] -> bf16(bf16(silu(gate)) * up), out [T, F] contiguous. gate and up may be
+// the two halves of one [T, 2F] GEMM output (gate_up_proj): rows contiguous, any row stride.
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kBFloat16 &&
-              up.scalar_type() == at::kBFloat16 && gate.is_contiguous() && up.is_contiguous());
-  auto out = torch::empty_like(gate);
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() &&
+              gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
+              gate.stride(1) == 1 && up.stride(1) == 1,
+              "silu_mul: bf16 gate and up [T, F] with contiguous rows");
+  const int64_t T = gate.size(0), F = gate.size(1);
+  auto out = torch::empty({T, F}, gate.options());
   const uint16_t *g = cbf(gate), *u = cbf(up);
+  const int64_t gs = gate.stride(0), us = up.stride(0);
   uint16_t* o = mbf(out);
-  const int64_t total = gate.numel();
+  const int64_t per_row = (F + 15) / 16;
   const __m512 one = _mm512_set1_ps(1.0f);
-  at::parallel_for(0, (total + 15) / 16, 1024, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T * per_row, 1024, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
-      const int64_t i = c * 16;
-      const int m = static_cast<int>(std::min<int64_t>(16, total - i));
-      const __m512 gv = m == 16 ? load_bf16(g + i) : load_bf16_n(g + i, m);
-      const __m512 uv = m == 16 ? load_bf16(u + i) : load_bf16_n(u + i, m);
+      const int64_t t = c / per_row, i = (c % per_row) * 16;
+      const int m = static_cast<int>(std::min<int64_t>(16, F - i));
+      const uint16_t *gp = g + t * gs + i, *up_ = u + t * us + i;
+      const __m512 gv = m == 16 ? load_bf16(gp) : load_bf16_n(gp, m);
+      const __m512 uv = m == 16 ? load_bf16(up_) : load_bf16_n(up_, m);
       const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
       const __m512 r = _mm512_mul_ps(s, uv);
-      if (m == 16) store_bf16(o + i, r);
-      else store_bf16_n(o + i, r, m);
+      if (m == 16) store_bf16(o + t * F + i, r);
+      else store_bf16_n(o + t * F + i, r, m);
     }
   });
   return out;
 }
 
 // x [T, heads, D] <- bf16(bf16(x * c) + bf16(rot(x) * s)) in place, c = bf16(cos), s = bf16(sin)
-// from fp32 cos/sin [T, D] (rot(x) = [-x[D/2:], x[:D/2]]), as apply_rope in bf16 does
+// from fp32 cos/sin [T, D] (rot(x) = [-x[D/2:], x[:D/2]]), as apply_rope in bf16 does. x's
+// heads contiguous within a token, tokens at any stride (q or k as a view of one qkv GEMM)
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.is_contiguous());
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 &&
+              x.stride(1) == x.size(2), "rope_: bf16 x [T, heads, D], heads contiguous");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t xs = x.stride(0);
   TORCH_CHECK(D % 32 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
               cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D);
   uint16_t* xd = mbf(x);
@@ -160,7 +169,7 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
     for (int64_t t = b; t < e; ++t) {
       const float *ct = cd + t * D, *st = sd + t * D;
       for (int64_t h = 0; h < heads; ++h) {
-        uint16_t* row = xd + (t * heads + h) * D;
+        uint16_t* row = xd + t * xs + h * D;
         for (int64_t i = 0; i < half; i += 16) {
           const __m512 lo = load_bf16(row + i), hi = load_bf16(row + half + i);
           const __m512 c0 = round_bf16(_mm512_loadu_ps(ct + i));
