@@ -703,7 +703,7 @@ def test_linear_benchmark_runs_its_table(capsys, monkeypatch) -> None:
 def test_merged_projections_give_the_same_hidden_states(tiny_model_dirs, arch: str,
                                                         dtype: torch.dtype) -> None:
     """merge_projections (what the runner does after loading) changes no output bit: q/k/v
-    bias (qwen2), q/k norms (qwen3) and the CPU MLP's 512-row passes (a 600-token prompt)
+    bias (qwen2), q/k norms (qwen3) and the CPU MLP's row passes (a prompt 88 rows past one pass)
     included; packed for oneDNN as the runner packs bf16."""
     from hlserve.models.llama import CPU_MLP_ROWS
     from hlserve.models.loader import load_model
