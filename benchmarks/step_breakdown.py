@@ -5,7 +5,7 @@ batch built as the scheduler builds it (page tables over a shuffled pool, so no 
 pages are contiguous), and wall-clock timers on the parts of ``execute``:
 
 - ``attention``: the paged attention call of every layer (KV gather, scores, softmax, values);
-- ``linear``: every q/k/v/o and MLP projection;
+- ``linear``: every projection (qkv, o, gate_up, down: the runner merges q/k/v and gate/up);
 - ``lm_head``: the vocabulary projection of the rows that sample;
 - ``other model``: embedding, norms, RoPE, activation, KV write, residual adds;
 - ``host``: what ``execute`` spends outside the model (batch to tensors, sampling, results).
@@ -70,8 +70,8 @@ def instrument(runner: TorchRunner, timers: Timers) -> None:
         return timed
 
     for layer in model.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                    layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+        # the runner merged q/k/v and gate/up (CausalLM.merge_projections)
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj):
             lin.forward = wrap(lin.forward, "linear")
     model.lm_head.forward = wrap(model.lm_head.forward, "lm_head")

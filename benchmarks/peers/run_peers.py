@@ -329,7 +329,10 @@ def main() -> int:
                 print(f"profiling {name} (unmeasured pass)", flush=True)
                 spy = profile(srv.proc.pid, args.profile / f"{name}.raw.txt",
                               res["duration"] + 30)
+                # another seed: the measured pass's prompts are in the prefix cache now, and
+                # a pass over them would profile cache hits instead of the measured work
                 run_bench(replace(spec, base_url=srv.url, label=f"{name} profiled",
+                                  seed=args.seed + 2000,
                                   result_file=str(args.profile / f"{name}.json")))
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT

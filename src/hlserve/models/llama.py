@@ -124,8 +124,8 @@ class Attention(nn.Module):
 
 # On the CPU a merged MLP runs over at most this many rows at a time, so that gate_up's output
 # ([rows, 2 x intermediate]) and its activation stay in cache: in one pass, 4,096 rows took
-# about as long as separate gate and up GEMMs (0.93-1.05x); in 1,024-row passes they take
-# 1.21x less time, 2,048 rows 1.19x, and 1,024 or fewer the same (0.5B shape, 2 threads;
+# about as long as separate gate and up GEMMs (0.93-1.05x); in 1,024-row passes they run
+# 1.21x faster, 2,048 rows 1.19x faster, and 1,024 or fewer the same (0.5B shape, 2 threads;
 # benchmarks/merged_projections.py, docs/bench.md). Each row's result is the same to the bit.
 CPU_MLP_ROWS = 1024
 
