@@ -160,16 +160,16 @@ class MLP(nn.Module):
 
 
 def _merged(parts: list[nn.Linear]) -> nn.Linear:
-    """One linear whose output is the parts' outputs side by side (weights stacked by rows)."""
+    """One linear whose output is the parts' outputs side by side (weights stacked by rows).
+    Built on the meta device, so no weight is initialised only to be overwritten."""
     first = parts[0]
-    bias = first.bias is not None
-    merged = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=bias,
-                       device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        merged.weight.copy_(torch.cat([p.weight for p in parts]))
-        if bias:
-            merged.bias.copy_(torch.cat([p.bias for p in parts]))
-    merged.requires_grad_(False)
+    merged = nn.Linear(first.in_features, sum(p.out_features for p in parts),
+                       bias=first.bias is not None, device="meta")
+    merged.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]),
+                                 requires_grad=False)
+    if first.bias is not None:
+        merged.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]),
+                                   requires_grad=False)
     return merged
 
 
