@@ -42,9 +42,9 @@ def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:
 
     src = Path(tempfile.mkdtemp(prefix="hlserve-kernel-"))
     for path in [*cpu_kernels._SOURCES, *cpu_kernels._HEADERS]:
-        if Path(rev).is_dir():  # a directory of kernel sources (a variant being tried)
-            if (Path(rev) / path.name).exists():
-                (src / path.name).write_text((Path(rev) / path.name).read_text())
+        if Path(rev).is_dir():  # a variant being tried: the files it has, this checkout's else
+            own = Path(rev) / path.name
+            (src / path.name).write_text((own if own.exists() else path).read_text())
             continue
         rel = path.relative_to(ROOT)
         text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
