@@ -183,6 +183,20 @@ def test_echo_prepends_the_prompt(client, tok) -> None:
     assert [c.text for c in out.choices] == [head + gen] * 2
 
 
+def test_a_stream_keeps_unicode_line_breaks_inside_its_events(http) -> None:
+    """U+0085, U+2028 and U+2029 are line breaks to str.splitlines, and so to httpx's
+    iter_lines and many agents' SSE readers: sent raw, one cut an event in two in the soak
+    test. Escaped in the JSON, each event stays one line and decodes to the same text."""
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "stream": True, **GREEDY}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    text = "".join(c["text"] for ev in events[:-1] for c in ev["choices"])
+    assert text.startswith(prompt)
+
+
 # ---- /tokenize and /detokenize ------------------------------------------------------------------
 
 

@@ -28,8 +28,17 @@ from hlserve.tokenizer import Tokenizer
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters that Python's str.splitlines (and so httpx's iter_lines and many agents' SSE
+# readers) takes for line breaks, though SSE and JSON do not. Raw in an event, they cut it in
+# two for such a reader (the soak test saw a sampled one do so). JSON text can hold them
+# only inside strings, where the \u escape decodes to the same string. (Those under U+0020
+# are escaped by json.dumps already.)
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 class EngineStreamResponse(StreamingResponse):
