@@ -17,6 +17,11 @@ call, about 1% of a step). Each figure is the median of ``--repeats`` steps afte
     python benchmarks/step_breakdown.py --decodes 32 --prefill 4096 --prefill-context 2048
     python benchmarks/step_breakdown.py --prefill-path sdpa     # without the prefill kernel
     python benchmarks/step_breakdown.py --no-fused-ops          # norms, RoPE, SiLU unfused
+    python benchmarks/step_breakdown.py --last-layer-ab         # kept rows against all rows
+
+``--last-layer-ab`` times the prefill step with the last layer on the sampled row only (as the
+runner runs it) and on every row (``kept_rows`` off, the "before"), A B B A in one process,
+and prints each pair's ratio.
 """
 
 from __future__ import annotations
@@ -116,6 +121,30 @@ def measure(runner: TorchRunner, timers: Timers, batch: Batch, repeats: int
     return {k: statistics.median(v) * 1e3 for k, v in runs.items()}
 
 
+def last_layer_ab(runner: TorchRunner, batch: Batch, rounds: int) -> None:
+    """One prefill step, the last layer on the kept rows (A) against every row (B), A B B A."""
+    import hlserve.runner.torch_runner as torch_runner
+
+    kept = torch_runner.kept_rows
+
+    def step(all_rows: bool) -> float:
+        torch_runner.kept_rows = (lambda *a: None) if all_rows else kept
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        return time.perf_counter() - t0
+
+    step(False), step(True)  # warm-up
+    ratios = []
+    for _ in range(rounds):
+        a1, b1, b2, a2 = step(False), step(True), step(True), step(False)
+        ratios.append((b1 + b2) / (a1 + a2))
+        print(f"kept rows {1e3 * (a1 + a2) / 2:,.1f} ms, every row {1e3 * (b1 + b2) / 2:,.1f} ms:"
+              f" {ratios[-1]:.3f}x")
+    torch_runner.kept_rows = kept
+    print(f"every row / kept rows: median {statistics.median(ratios):.3f}x "
+          f"(pairs {min(ratios):.3f}-{max(ratios):.3f}) over {rounds} A B B A rounds")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +161,9 @@ def main() -> None:
     ap.add_argument("--prefill-path", choices=["auto", "sdpa"], default="auto",
                     help="sdpa: prompt chunks through gather + SDPA even where the CPU "
                          "prefill kernel is built (the 'before' of that kernel)")
+    ap.add_argument("--last-layer-ab", action="store_true",
+                    help="the prefill step with the last layer on the kept rows against every "
+                         "row, A B B A, --repeats rounds")
     ap.add_argument("--no-fused-ops", action="store_true",
                     help="norms, RoPE and SiLU x up in plain PyTorch even where the fused "
                          "CPU ops are built (the 'before' of those ops)")
@@ -160,6 +192,10 @@ def main() -> None:
     pages = 2 * (need // args.page_size + n + 2)
     runner = TorchRunner(EngineConfig(model=str(model_dir), dtype=args.dtype, num_pages=pages,
                                       page_size=args.page_size))
+    if args.last_layer_ab:
+        batch = make_batch(runner, [args.prefill_context], [args.prefill], random.Random(0))
+        last_layer_ab(runner, batch, args.repeats)
+        return
     timers = Timers()
     instrument(runner, timers)
     rng = random.Random(0)

@@ -73,6 +73,36 @@ def test_greedy_matches_transformers(case, name: str) -> None:
     assert llm.engine.kv.num_used == 0
 
 
+
+@pytest.mark.parametrize("decode_path", ["cpu_kernel", "padded", "per_sequence"])
+def test_the_last_layer_runs_only_the_sampled_rows(case, decode_path: str, monkeypatch) -> None:
+    """The last layer attends, projects and runs its MLP on the rows a step samples from
+    only (of a prompt chunk's other rows it needs just K and V): those rows attend as
+    decodes over the rest, on every decode path, and the tokens stay transformers'."""
+    from hlserve.models.cpu_kernels import decode_op
+    from hlserve.runner.torch_runner import TorchRunner
+
+    if decode_path == "cpu_kernel" and decode_op() is None:
+        pytest.skip("the CPU decode kernel did not build")
+    monkeypatch.setattr(TorchRunner, "_decode_path", lambda self, head_dim: decode_path)
+    monkeypatch.setattr(TorchRunner, "_prefill_path", lambda self, head_dim: "sdpa")
+    path, prompts, refs = case
+    llm = LLM(str(path), dtype="float32", chunk_size=32, enable_prefix_caching=False,
+              check_invariants=True)
+    assert llm.engine.runner.decode_path == decode_path
+    layers = llm.engine.runner.model.model.layers
+    rows: dict[str, list[int]] = {"first": [], "last": []}
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        layer.mlp.register_forward_pre_hook(lambda _m, a, name=name: rows[name].append(len(a[0])))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+    # every token came from one sampled row; every prompt token and fed-back token ran the
+    # first layer (a step of chunks that sample nothing ran the last one on no rows)
+    assert sum(rows["last"]) == len(prompts) * MAX_NEW
+    assert sum(rows["first"]) == sum(len(p) + MAX_NEW - 1 for p in prompts)
+    assert llm.engine.kv.num_used == 0
+
+
 def test_retraction_keeps_tokens_identical(case) -> None:
     path, prompts, refs = case
     # 24 pages of 16 tokens: the long prompts and their outputs cannot all be resident

@@ -110,6 +110,17 @@ class AttentionMetadata:
     progress: Callable[[], None] | None = None
 
 
+@dataclass(slots=True)
+class KeptRows:
+    """The rows of a batch whose hidden state the step uses (the last layer runs only them;
+    ``runner/batch_meta.py``), and attention metadata over those rows alone: their contexts
+    hold the batch's other rows, whose K and V the last layer still writes."""
+
+    rows: torch.Tensor  # [R] indices into the flat batch, ascending
+    row_list: list[int]  # the same, on the host
+    meta: AttentionMetadata  # segments over the R rows
+
+
 def kv_cache_shape(num_pages: int, page_size: int, kv_heads: int, head_dim: int
                    ) -> tuple[int, int, int, int]:
     return (kv_heads, num_pages, page_size, head_dim)

@@ -15,7 +15,7 @@ from torch import nn
 
 from hlserve.errors import ModelLoadError
 from hlserve.models import fused
-from hlserve.models.attention import AttentionMetadata, paged_attention, write_kv
+from hlserve.models.attention import AttentionMetadata, KeptRows, paged_attention, write_kv
 from hlserve.models.config import ModelConfig
 
 
@@ -110,16 +110,25 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        kept: KeptRows | None = None,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        """Every row's K and V into the cache; the attention output of every row, or of the
+        ``kept`` rows only (their queries alone are roped and attend)."""
         q, k, v = self._qkv(x)
+        q_cos, q_sin = cos, sin
+        if kept is not None:
+            q, q_cos, q_sin = q[kept.rows], cos[kept.rows], sin[kept.rows]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, q_cos, q_sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if kept is not None:
+            if not kept.row_list:
+                return x.new_empty((0, x.shape[1]))
+            k, v, meta = k[kept.rows], v[kept.rows], kept.meta
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(q.shape[0], -1))
 
 
 # On the CPU a merged MLP runs over at most this many rows at a time, so that gate_up's output
@@ -188,8 +197,13 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        kept: KeptRows | None = None,
     ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, kept)
+        if kept is not None:  # the rest of the layer on the kept rows only
+            x = x[kept.rows]
+            if not kept.row_list:
+                return x
         norm = self.post_attention_layernorm
         x, h = fused.add_rms_norm(x, a, norm.weight, norm.eps)  # x + a, and its norm
         return x + self.mlp(h)
@@ -204,7 +218,8 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model; ``forward`` returns hidden states, ``logits`` projects chosen rows."""
+    """The whole model; ``forward`` returns hidden states (of the ``kept`` rows only, where
+    given: the last layer computes no others), ``logits`` projects chosen rows."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -221,12 +236,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        kept: KeptRows | None = None,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        return self.model.norm(x)
+        last = len(self.model.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x = layer(x, cos, sin, kv, meta, kept if i == last else None)
+        return self.model.norm(x) if x.shape[0] else x
 
     def merge_projections(self) -> None:
         """Every layer's q/k/v and gate/up as one GEMM each: after loading, which uses

@@ -9,20 +9,14 @@ import torch
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
-from hlserve.models.attention import (
-    AttentionMetadata,
-    PaddedDecodes,
-    PagedDecodes,
-    PagedPrefills,
-    Segment,
-    kv_cache_shape,
-)
+from hlserve.models.attention import AttentionMetadata, kv_cache_shape
 from hlserve.models.config import ModelConfig
 from hlserve.models.cpu_kernels import decode_op, prefill_op, supports, supports_prefill
 from hlserve.models.llama import MLP, Attention, DecoderLayer
 from hlserve.models.loader import load_model, resolve_dtype
 from hlserve.models.packed_linear import can_prepack, can_widen, prepack_linears, widen_linears
 from hlserve.request import Request, TokenLogprobs
+from hlserve.runner.batch_meta import MetaPaths, Span, build_meta, kept_rows
 from hlserve.runner.cpu_alloc import keep_freed_memory
 from hlserve.runner.logits import LogitsAdjuster, apply_min_p, apply_top_k_top_p
 from hlserve.runner.speculative import draft_rows, verify
@@ -125,6 +119,10 @@ class TorchRunner(Runner):
         return "sdpa"
 
     # ---- batch -> tensors ----------------------------------------------------------------
+    @property
+    def _paths(self) -> MetaPaths:
+        return MetaPaths(self.decode_path, self.prefill_path, self.page_size, self.device)
+
     def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions, new tokens' slots and each sequence's context pages: plain
         lists over the batch (O(tokens + pages)), one host-to-device copy each."""
@@ -132,10 +130,7 @@ class TorchRunner(Runner):
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        ctx_pages: list[int] = []
-        segments: list[Segment] = []
         for seq in batch.seqs:
-            t0 = len(ids)
             if seq.draft:  # the last known token, then the drafts
                 ids.extend(seq.request.tokens(seq.start, seq.end - len(seq.draft)))
                 ids.extend(seq.draft)
@@ -149,84 +144,11 @@ class TorchRunner(Runner):
                 rng = range(seq.start, seq.end)
                 positions.extend(rng)
                 slots.extend([table[p // ps] * ps + p % ps for p in rng])
-            seg = Segment(t0, len(ids), seq.start)
-            # a speculating decode's rows run as decodes too: one batched call for all
-            # rows, not a prefill-over-context per request (on the CPU that was ~0.1 ms of
-            # Python and small SDPA calls per request per layer)
-            seg.batched = (self.decode_path != "per_sequence" if seq.decode_rows
-                           else self.prefill_path == "cpu_kernel")
-            # a sequence with context that no batched call attends reads it back through
-            # its pages, in the per-layer gather
-            if seq.start > 0 and not seg.batched:
-                seg.page_lo = len(ctx_pages)
-                ctx_pages.extend(table[: -(-seq.end // ps)])
-                seg.page_hi = len(ctx_pages)
-            segments.append(seg)
+        meta = build_meta([Span.of(seq) for seq in batch.seqs], slots, self._paths,
+                          self._heartbeat.beat)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), segments=segments,
-            context_pages=torch.tensor(ctx_pages, dtype=torch.long, device=dev)
-            if ctx_pages else None, progress=self._heartbeat.beat)
-        if self.decode_path == "padded":
-            meta.padded_decodes = self._padded_decodes(batch, segments)
-        elif self.decode_path == "cpu_kernel":
-            meta.paged_decodes = self._paged_decodes(batch, segments)
-        if self.prefill_path == "cpu_kernel":
-            meta.paged_prefills = self._paged_prefills(batch, segments)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
-
-    def _padded_decodes(self, batch: Batch, segments: list[Segment]) -> PaddedDecodes | None:
-        decodes = [(seg.start, seq) for seq, seg in zip(batch.seqs, segments, strict=True)
-                   if seq.decode_rows]
-        if not decodes:
-            return None
-        width = max(-(-seq.end // self.page_size) for _, seq in decodes)
-        rows: list[int] = []
-        pages: list[list[int]] = []
-        lengths: list[int] = []
-        for first, seq in decodes:
-            table = seq.page_table[:width]
-            table = table + [0] * (width - len(table))
-            for i in range(seq.decode_rows):  # row i: a decode of length start + i + 1
-                rows.append(first + i)
-                pages.append(table)
-                lengths.append(seq.start + i + 1)
-        dev = self.device
-        return PaddedDecodes(torch.tensor(rows, device=dev), torch.tensor(pages, device=dev),
-                             torch.tensor(lengths, device=dev))
-
-    def _paged_decodes(self, batch: Batch, segments: list[Segment]) -> PagedDecodes | None:
-        rows: list[int] = []
-        pages: list[int] = []
-        lo: list[int] = []
-        lengths: list[int] = []
-        for seq, seg in zip(batch.seqs, segments, strict=True):
-            n = seq.decode_rows
-            if n:
-                at = len(pages)  # the rows of a speculating decode share its table
-                pages.extend(seq.page_table[: -(-seq.end // self.page_size)])
-                rows.extend(range(seg.start, seg.start + n))
-                lo.extend([at] * n)
-                lengths.extend(range(seq.start + 1, seq.start + n + 1))
-        if not rows:
-            return None
-        return PagedDecodes(*(torch.tensor(x, dtype=torch.long) for x in (rows, pages, lo,
-                                                                          lengths)))
-
-    def _paged_prefills(self, batch: Batch, segments: list[Segment]) -> PagedPrefills | None:
-        pages: list[int] = []
-        cols: list[list[int]] = [[], [], [], []]  # page_lo, starts, num_new, context
-        with_decodes = self.decode_path == "prefill_kernel"
-        for seq, seg in zip(batch.seqs, segments, strict=True):
-            if with_decodes or not seq.decode_rows:
-                for col, x in zip(cols, (len(pages), seg.start, seg.num_new, seg.context_len),
-                                  strict=True):
-                    col.append(x)
-                pages.extend(seq.page_table[: -(-seq.end // self.page_size)])
-        if not cols[0]:
-            return None
-        return PagedPrefills(*(torch.tensor(x, dtype=torch.long) for x in (pages, *cols)))
 
     # ---- execute ------------------------------------------------------------------------
     @property
@@ -238,9 +160,13 @@ class TorchRunner(Runner):
         t0 = time.perf_counter()
         self._heartbeat.beat()
         input_ids, positions, meta = self._prepare(batch)
+        kept = kept_rows(batch, self._paths, self._heartbeat.beat)
         self._heartbeat.beat()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, kept)
         rows, which, spec = draft_rows(batch.seqs)
+        if kept is not None:  # hidden holds the kept rows only: batch rows -> its rows
+            at = {r: i for i, r in enumerate(kept.row_list)}
+            rows, spec = [at[r] for r in rows], [(seq, at[first]) for seq, first in spec]
         reqs = [batch.seqs[i].request for i in which]
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
