@@ -73,7 +73,6 @@ def test_greedy_matches_transformers(case, name: str) -> None:
     assert llm.engine.kv.num_used == 0
 
 
-
 @pytest.mark.parametrize("decode_path", ["cpu_kernel", "padded", "per_sequence"])
 def test_the_last_layer_runs_only_the_sampled_rows(case, decode_path: str, monkeypatch) -> None:
     """The last layer attends, projects and runs its MLP on the rows a step samples from

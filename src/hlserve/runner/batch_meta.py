@@ -91,10 +91,11 @@ def build_meta(spans: list[Span], slots: list[int], paths: MetaPaths,
     return meta
 
 
-def kept_rows(batch: Batch, paths: MetaPaths, progress: Callable[[], None] | None
-              ) -> KeptRows | None:
-    """The rows the step reads hidden states of, with metadata over them alone; None when
-    that is every row (a batch of decodes), so the last layer runs as the others do."""
+def kept_rows(batch: Batch, slots: list[int], paths: MetaPaths,
+              progress: Callable[[], None] | None) -> KeptRows | None:
+    """The rows the step reads hidden states of, with metadata over them alone (``slots``:
+    every row's pool slot); None when that is every row (a batch of decodes), so the last
+    layer runs as the others do."""
     rows: list[int] = []
     spans: list[Span] = []
     first = 0
@@ -108,10 +109,8 @@ def kept_rows(batch: Batch, paths: MetaPaths, progress: Callable[[], None] | Non
         first += seq.num_tokens
     if len(rows) == first:
         return None
-    ps = paths.page_size
-    slots = [s.page_table[p // ps] * ps + p % ps for s in spans for p in range(s.start, s.end)]
     return KeptRows(torch.tensor(rows, dtype=torch.long, device=paths.device), rows,
-                    build_meta(spans, slots, paths, progress))
+                    build_meta(spans, [slots[r] for r in rows], paths, progress))
 
 
 def _padded_decodes(spans: list[Span], segments: list[Segment], paths: MetaPaths

@@ -9,7 +9,7 @@ import torch
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
-from hlserve.models.attention import AttentionMetadata, kv_cache_shape
+from hlserve.models.attention import AttentionMetadata, KeptRows, kv_cache_shape
 from hlserve.models.config import ModelConfig
 from hlserve.models.cpu_kernels import decode_op, prefill_op, supports, supports_prefill
 from hlserve.models.llama import MLP, Attention, DecoderLayer
@@ -123,9 +123,11 @@ class TorchRunner(Runner):
     def _paths(self) -> MetaPaths:
         return MetaPaths(self.decode_path, self.prefill_path, self.page_size, self.device)
 
-    def _prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, batch: Batch
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, KeptRows | None]:
         """Token ids, positions, new tokens' slots and each sequence's context pages: plain
-        lists over the batch (O(tokens + pages)), one host-to-device copy each."""
+        lists over the batch (O(tokens + pages)), one host-to-device copy each; and the rows
+        the last layer runs (``kept_rows``)."""
         ps = self.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -144,11 +146,12 @@ class TorchRunner(Runner):
                 rng = range(seq.start, seq.end)
                 positions.extend(rng)
                 slots.extend([table[p // ps] * ps + p % ps for p in rng])
-        meta = build_meta([Span.of(seq) for seq in batch.seqs], slots, self._paths,
-                          self._heartbeat.beat)
+        paths, beat = self._paths, self._heartbeat.beat
+        meta = build_meta([Span.of(seq) for seq in batch.seqs], slots, paths, beat)
         dev = self.device
         return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                kept_rows(batch, slots, paths, beat))
 
     # ---- execute ------------------------------------------------------------------------
     @property
@@ -159,8 +162,7 @@ class TorchRunner(Runner):
     def execute(self, batch: Batch) -> StepResult:
         t0 = time.perf_counter()
         self._heartbeat.beat()
-        input_ids, positions, meta = self._prepare(batch)
-        kept = kept_rows(batch, self._paths, self._heartbeat.beat)
+        input_ids, positions, meta, kept = self._prepare(batch)
         self._heartbeat.beat()
         hidden = self.model(input_ids, positions, self.kv_caches, meta, kept)
         rows, which, spec = draft_rows(batch.seqs)
