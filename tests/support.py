@@ -111,3 +111,18 @@ def responses_server(model_dir: Path, tmp: Path, *extra: str) -> Iterator[object
     with ServerProcess(model_dir, [*RESPONSES_ARGS, *extra], log_path=tmp / "server.log") as srv:
         yield srv
         assert "Traceback" not in srv.log_text(), srv.log_text()[-4000:]
+
+
+def assert_bf16_linear(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor,
+                       w: torch.Tensor) -> None:
+    """``got`` is the bf16 linear ``want`` but for fp32 summation order: few elements differ
+    (near zero, where the fp32 sums' error shows), by no more than that error allows."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got != want).float().mean() < 0.01
+    # the two fp32 sums may differ by the dot product's error bound, K * 2^-24 * sum |x w|
+    # each; then each rounds to bf16, by up to half an ulp, at most 2^-8 of its value: two
+    # sums either side of a rounding boundary land one ulp apart
+    k = x.shape[-1]
+    mag = x.double().abs() @ w.double().abs().T
+    bound = 2 * k * 2.0**-24 * mag + 2 * 2.0**-8 * want.double().abs() + 2.0**-133
+    assert bool(((got.double() - want.double()).abs() <= bound).all())

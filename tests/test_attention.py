@@ -28,7 +28,7 @@ from hlserve.models.packed_linear import (
     can_widen,
     prepack_linears,
 )
-from support import hf_greedy, load_benchmark
+from support import assert_bf16_linear, hf_greedy, load_benchmark
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int,
@@ -588,20 +588,6 @@ def test_bf16_engine_prepacks_and_keeps_its_tokens(tiny_model_dirs) -> None:
 
 
 # ---- bf16 linears in fp32, where oneDNN has no bf16 kernels ------------------------------
-
-
-def assert_bf16_linear(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor,
-                       w: torch.Tensor) -> None:
-    """``got`` is the bf16 linear ``want`` but for fp32 summation order: few elements differ
-    (near zero, where the fp32 sums' error shows), by no more than that error allows."""
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    assert (got != want).float().mean() < 0.01
-    # the two fp32 sums may differ by the dot product's error bound, K * 2^-24 * sum |x w|
-    # each; then each rounds to bf16 (half an ulp, 2^-9 relative)
-    k = x.shape[-1]
-    mag = x.double().abs() @ w.double().abs().T
-    bound = 2 * k * 2.0**-24 * mag + 2.0**-8 * want.double().abs() + 2.0**-133
-    assert bool(((got.double() - want.double()).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 200])

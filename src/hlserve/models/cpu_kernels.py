@@ -16,6 +16,11 @@ the pool read itself; docs/bench.md, "Engine speed"):
 And the fused elementwise ops of a layer in bf16 (RMSNorm with its residual add, SiLU x up,
 RoPE; ``fused_ops()``, used by ``models/fused.py``), also AVX512_BF16 only.
 
+And a bf16 linear for the few rows of a decode step over a weight packed for the bf16
+dot-product instruction (``pairs_linear_ops()``, used by ``models/packed_linear.py``'s
+``PackedLinear`` up to ``SMALL_ROWS``), AVX512_BF16 only: it streams the weight faster than
+oneDNN's GEMM does at those row counts.
+
 And, for a CPU with AVX2 but no bf16 GEMM, a bf16 linear over few rows (``linear_op()``,
 used by ``models/packed_linear.py``'s ``WideLinear`` at decode sizes): it reads the bf16
 weight once and widens it in registers, where an fp32 copy would stream twice the bytes.
@@ -46,7 +51,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "decode_attention.cpp",
                                        "prefill_attention.cpp", "prefill_attention_rowpair.cpp",
-                                       "fused_ops.cpp", "linear_bf16.cpp")]
+                                       "fused_ops.cpp", "linear_bf16.cpp",
+                                       "linear_pairs.cpp")]
 # included by the sources: part of the build's key
 _HEADERS = [_CSRC / name for name in ("avx512_math.h", "bf16_tile.h")]
 
@@ -169,6 +175,20 @@ def linear_op() -> LinearOp | None:
     if module is None or not module.linear_bf16_built():  # type: ignore[attr-defined]
         return None
     return module.linear_bf16  # type: ignore[attr-defined, no-any-return]
+
+
+PairsLinear = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+
+def pairs_linear_ops() -> tuple[Callable[[torch.Tensor], torch.Tensor], PairsLinear] | None:
+    """``(pack, linear)`` of ``linear_pairs.cpp``: ``pack(w)`` copies a bf16 weight [N, K]
+    (K even) into the kernel's layout, ``linear(x, packed, N, bias)`` is ``x W^T + b`` for
+    bf16 rows; None where the kernels are off, cannot be built, or the CPU has no
+    AVX512_BF16."""
+    module = _module()
+    if module is None or not module.linear_pairs_built():  # type: ignore[attr-defined]
+        return None
+    return module.pack_bf16_pairs, module.linear_bf16_pairs  # type: ignore[attr-defined]
 
 
 def _load() -> object | None:

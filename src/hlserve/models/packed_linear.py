@@ -10,6 +10,16 @@ The result is bit-identical to ``F.linear`` (tests/test_attention.py), and the p
 weight has the same size as the original, which it replaces (a tied ``lm_head`` keeps its own
 packed copy, since the embedding still needs the plain one).
 
+At the few rows of a decode step oneDNN's GEMM streams the weight well below what memory
+gives (24 GB/s at 8 rows, 18 at 16, on a 2-core Zen 4), and a decode step is bound by that
+stream. So up to :data:`SMALL_ROWS` rows a :class:`PackedLinear` runs ``linear_pairs.cpp``
+over a second copy of its weight in that kernel's layout (``cpu_kernels.pairs_linear_ops``,
+AVX512_BF16 only): 1.1-1.4x faster at 1-16 rows (``benchmarks/decode_linears.py``). Its
+output is the bf16 linear's but for fp32 summation order, as :class:`WideLinear`'s is. The
+copy doubles the linears' memory; ``HLSERVE_CPU_SMALL_GEMM=0`` leaves it out (oneDNN at every
+row count), and it is left out by itself where it would take more than a quarter of the
+memory available when the model loads.
+
 Where oneDNN has no bf16 kernels (an x86 CPU without AVX512_BF16 or AMX, e.g. AVX2 only),
 a bf16 ``F.linear`` falls to a generic loop that runs about 6x slower than fp32's GEMM on the
 same core (measured on an AVX2 EPYC, 256 x 896 x 4864: 8.7 against 52.5 GFLOP/s on one
@@ -34,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hlserve.models.cpu_kernels import LinearOp, linear_op
+from hlserve.models.cpu_kernels import LinearOp, PairsLinear, linear_op, pairs_linear_ops
 
 log = logging.getLogger("hlserve.models")
 
@@ -65,17 +75,37 @@ def can_widen(device: torch.device, dtype: torch.dtype) -> bool:
         return True
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` over a weight packed once into oneDNN's layout."""
+# Up to this many rows a PackedLinear with a pairs copy runs linear_pairs.cpp: at 1-16 rows it
+# streams the weight 1.1-1.4x faster than oneDNN's GEMM, at 32 they are equal
+# (benchmarks/decode_linears.py, Zen 4).
+SMALL_ROWS = 16
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = 16) -> None:
+PairsOps = tuple[Callable[[torch.Tensor], torch.Tensor], PairsLinear]
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` over a weight packed once into oneDNN's layout and, given ``pairs``
+    (``cpu_kernels.pairs_linear_ops()``), a second copy for ``linear_pairs.cpp``, which
+    serves calls of up to :data:`SMALL_ROWS` rows."""
+
+    def __init__(self, linear: nn.Linear, rows_hint: int = 16,
+                 pairs: PairsOps | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         packed = _PACK(linear.weight.detach(), rows_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
+        self.pairs_op: PairsLinear | None = None
+        if pairs is not None and self.in_features % 2 == 0:
+            pack, self.pairs_op = pairs
+            self.register_buffer("pairs_weight", pack(linear.weight.detach()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.pairs_op is not None and rows <= SMALL_ROWS:
+            y = self.pairs_op(x.reshape(rows, self.in_features), self.pairs_weight,
+                              self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         return _LINEAR(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -119,9 +149,44 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
     return count
 
 
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def small_gemm_ops(model: nn.Module) -> PairsOps | None:
+    """The decode-size kernel's ops for ``model``'s linears, or None where it is off
+    (``HLSERVE_CPU_SMALL_GEMM=0``), not built, or its copy of the weights (their size again)
+    would take more than a quarter of the memory available now."""
+    if os.environ.get("HLSERVE_CPU_SMALL_GEMM", "1") == "0":
+        return None
+    ops = pairs_linear_ops()
+    if ops is None:
+        return None
+    extra = sum(m.weight.numel() * m.weight.element_size()
+                for m in model.modules() if isinstance(m, nn.Linear))
+    available = _available_bytes()
+    if available is not None and extra > available // 4:
+        log.warning("decode-size linear kernel left out: its copy of the weights (%.1f GiB) "
+                    "would take over a quarter of the available memory (%.1f GiB)",
+                    extra / 2**30, available / 2**30)
+        return None
+    log.info("decode-size linear kernel up to %d rows: a second copy of the weights, %.2f GiB "
+             "(HLSERVE_CPU_SMALL_GEMM=0 leaves it out)", SMALL_ROWS, extra / 2**30)
+    return ops
+
+
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many."""
-    count = _replace_linears(model, PackedLinear)
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` (with the
+    decode-size kernel's copy where :func:`small_gemm_ops` allows it); returns how many."""
+    pairs = small_gemm_ops(model)
+    count = _replace_linears(model, lambda linear: PackedLinear(linear, pairs=pairs))
     log.info("prepacked %d linear layers for oneDNN (bf16, CPU)", count)
     return count
 

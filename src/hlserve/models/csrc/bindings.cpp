@@ -24,6 +24,10 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin)
 bool linear_bf16_built();
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
                           const c10::optional<torch::Tensor>& bias);
+bool linear_pairs_built();
+torch::Tensor pack_bf16_pairs(const torch::Tensor& w);
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the page pool");
@@ -41,4 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_built", &linear_bf16_built,
         "whether linear_bf16 was compiled (the CPU has AVX2 and FMA)");
   m.def("linear_bf16", &linear_bf16, "x W^T + b for bf16 x and W, fp32 math, AVX2 (few rows)");
+  m.def("linear_pairs_built", &linear_pairs_built,
+        "whether linear_bf16_pairs was compiled (the CPU has AVX512_BF16)");
+  m.def("pack_bf16_pairs", &pack_bf16_pairs, "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
+  m.def("linear_bf16_pairs", &linear_bf16_pairs,
+        "x W^T + b over a weight from pack_bf16_pairs (bf16, AVX512_BF16, few rows)");
 }

@@ -1,0 +1,92 @@
+"""A decode step's linears: oneDNN's packed bf16 GEMM against the decode-size kernel
+(``linear_pairs.cpp``) by row count, on the 0.5B model's shapes.
+
+One pass runs every linear of ``--layers`` layers (q/k/v merged, o, gate/up merged, down, each
+layer its own weights, so they stream from memory as a model's do) and the vocabulary
+projection, at ``--rows`` rows. For each row count the two ways run in A B B A order,
+``--rounds`` times (each round the pair once forwards, once backwards), alone on the machine;
+the table gives each way's median ms per pass and the weight bytes it streamed per second,
+and the kernel's speedup (median of the pairs' ratios, with their range).
+
+    python benchmarks/decode_linears.py
+    python benchmarks/decode_linears.py --rows 8 16 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from hlserve.models.cpu_kernels import pairs_linear_ops
+
+HIDDEN, INTER, QKV = 896, 4864, 1152  # Qwen2.5-0.5B: q 896 + k 128 + v 128
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+
+
+def weights(layers: int, vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = [(torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+           for _ in range(layers) for n, k in SHAPES]
+    return out + [(torch.randn(vocab, HIDDEN, generator=g) * 0.05).to(torch.bfloat16)]
+
+
+def passes(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[], None]]:
+    pack_dnn, lin_dnn = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+    pack, linear = pairs_linear_ops()
+    dnn = [pack_dnn(w, 16) for w in ws]
+    mine = [(pack(w), w.shape[0]) for w in ws]
+    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (HIDDEN, INTER)}
+
+    def run_dnn() -> None:
+        for w, p in zip(ws, dnn, strict=True):
+            lin_dnn(xs[w.shape[1]], p, None, "none", [], "")
+
+    def run_kernel() -> None:
+        for w, (p, n) in zip(ws, mine, strict=True):
+            linear(xs[w.shape[1]], p, n, None)
+    return {"oneDNN": run_dnn, "kernel": run_kernel}
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=151936)
+    args = ap.parse_args()
+    if pairs_linear_ops() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise SystemExit("needs AVX512_BF16 (the kernel) and oneDNN's bf16 GEMM")
+    ws = weights(args.layers, args.vocab)
+    gb = sum(w.numel() * 2 for w in ws) / 1e9
+    print(f"{args.layers} layers + vocabulary {args.vocab}: {gb:.3f} GB of bf16 weights per "
+          f"pass; {torch.get_num_threads()} threads; median of {args.rounds} A B B A rounds")
+    print("| rows | oneDNN ms (GB/s) | kernel ms (GB/s) | kernel speedup (pairs) |\n"
+          "|---:|---:|---:|---|")
+    with torch.inference_mode():
+        for rows in args.rows:
+            ways = passes(ws, rows)
+            for fn in ways.values():  # warm-up
+                fn()
+            t: dict[str, list[float]] = {k: [] for k in ways}
+            for _ in range(args.rounds):
+                for name in [*ways, *reversed(ways)]:
+                    t[name].append(timed(ways[name]))
+            ratios = [a / b for a, b in zip(t["oneDNN"], t["kernel"], strict=True)]
+            cells = [f"{1e3 * statistics.median(v):.1f} ({gb / statistics.median(v):.1f})"
+                     for v in t.values()]
+            print(f"| {rows} | {cells[0]} | {cells[1]} | {statistics.median(ratios):.2f}x "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

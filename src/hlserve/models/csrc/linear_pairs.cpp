@@ -1,0 +1,143 @@
+// A bf16 linear for the few rows of a decode step on a CPU with AVX512_BF16: y = x W^T + b,
+// x [M, K], W [N, K], y [M, N], over a copy of W packed once for the dot-product instruction.
+//
+// A decode step's linears are bound by reading the weights, and oneDNN's bf16 GEMM streams
+// them at 24 GB/s at 8 rows and 18 GB/s at 16 on a 2-core Zen 4 whose memory gives more
+// (benchmarks/decode_linears.py). Here W is stored as [N/16 column blocks][K/2 pairs of
+// k][16 columns][2]: one 64-byte load is 16 columns x one pair of k, which vdpbf16ps
+// multiplies by a broadcast pair of one row of x and adds into 16 fp32 sums. A task takes
+// two column blocks (32 columns) and walks all of K once per group of up to 8 rows, the
+// blocks' weights read from memory for the first group and from L2 for the others; 8 rows x
+// 2 blocks are 16 accumulators. The sums are fp32, rounded once to bf16 (nearest even, after
+// the bias), as PyTorch's bf16 linear does: the result differs from it only by fp32
+// summation order. Threads split the column blocks.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kCols = 16;  // columns per block: one vector of fp32 sums
+constexpr int kRows = 8;       // rows per register block: 8 x 2 blocks = 16 accumulators
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// The output pointers and sizes of one call.
+struct Out {
+  uint16_t* y;
+  int64_t ldy;  // N
+  const float* bias;  // fp32, padded to whole blocks, or nullptr
+};
+
+// rows m0..m0+R-1 of x against NB column blocks starting at block b (KP pairs of k each)
+template <int R, int NB>
+inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
+                 const Out& o) {
+  __m512 acc[R][NB];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const uint32_t* wb = w + b * KP * kCols;
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_load_si512(wb + (j * KP + kp) * kCols);
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int>(x[m * KP + kp])));
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, as_bh(wv[j]));
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t col = (b + j) * kCols;
+    const int64_t left = N - col;
+    const __mmask16 mask = left >= kCols ? static_cast<__mmask16>(0xFFFF)
+                                         : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + col) : _mm512_setzero_ps();
+    for (int m = 0; m < R; ++m) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bias));
+      _mm256_mask_storeu_epi16(o.y + m * o.ldy + col, mask, reinterpret_cast<const __m256i&>(v));
+    }
+  }
+}
+
+// every row of x (M rows) against NB column blocks from block b, in groups of up to 8 rows
+template <int NB>
+void blocks(const uint32_t* x, int64_t M, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
+            const Out& o) {
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    const uint32_t* xm = x + m0 * KP;
+    const Out om{o.y + m0 * o.ldy, o.ldy, o.bias};
+    if (left >= 8) tile<8, NB>(xm, KP, w, b, N, om), m0 += 8;
+    else if (left >= 4) tile<4, NB>(xm, KP, w, b, N, om), m0 += 4;
+    else if (left >= 2) tile<2, NB>(xm, KP, w, b, N, om), m0 += 2;
+    else tile<1, NB>(xm, KP, w, b, N, om), m0 += 1;
+  }
+}
+
+}  // namespace
+
+bool linear_pairs_built() { return true; }
+
+torch::Tensor pack_bf16_pairs(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "pack_bf16_pairs: a bf16 weight [N, K] with K even");
+  const torch::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), NBk = (N + kCols - 1) / kCols;
+  torch::Tensor out = torch::zeros({NBk, K / 2, kCols, 2}, wc.options());
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(wc.data_ptr<at::BFloat16>());
+  uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NBk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c)
+        for (int64_t kp = 0; kp < K / 2; ++kp)
+          d[(b * (K / 2) + kp) * kCols + c] = s[(b * kCols + c) * (K / 2) + kp];
+  });
+  return out;
+}
+
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "linear_bf16_pairs: bf16 x [M, K] and a weight from pack_bf16_pairs");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), KP = packed.size(1), NBk = packed.size(0);
+  TORCH_CHECK(xc.size(1) == 2 * KP && n > (NBk - 1) * kCols && n <= NBk * kCols,
+              "linear_bf16_pairs: x's K or n does not match the packed weight");
+  torch::Tensor y = torch::empty({M, n}, xc.options());
+  torch::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "linear_bf16_pairs: bias of n elements");
+    b32 = torch::zeros({NBk * kCols}, xc.options().dtype(torch::kFloat32));
+    b32.narrow(0, 0, n).copy_(*bias);
+  }
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const Out o{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n,
+              b32.defined() ? b32.data_ptr<float>() : nullptr};
+  if (M == 0) return y;
+  const int64_t pairs = NBk / 2;
+  at::parallel_for(0, pairs, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) blocks<2>(xp, M, KP, w, 2 * p, n, o);
+  });
+  if (NBk % 2) blocks<1>(xp, M, KP, w, NBk - 1, n, o);
+  return y;
+}
+
+#else  // no AVX512_BF16: oneDNN (or WideLinear) serves every row count
+
+bool linear_pairs_built() { return false; }
+
+torch::Tensor pack_bf16_pairs(const torch::Tensor&) {
+  TORCH_CHECK(false, "pack_bf16_pairs: built without AVX512_BF16");
+}
+
+torch::Tensor linear_bf16_pairs(const torch::Tensor&, const torch::Tensor&, int64_t,
+                                const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "linear_bf16_pairs: built without AVX512_BF16");
+}
+
+#endif

@@ -1,0 +1,110 @@
+"""The decode-size bf16 linear (``linear_pairs.cpp``): its output against PyTorch's bf16
+linear across its row groups and column blocks, ``PackedLinear`` taking it up to
+``SMALL_ROWS`` rows and oneDNN past them, and the runner giving it a copy of every weight
+unless it is turned off or the copy would not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlserve import LLM, SamplingParams
+from hlserve.models import packed_linear
+from hlserve.models.cpu_kernels import pairs_linear_ops
+from hlserve.models.packed_linear import SMALL_ROWS, PackedLinear, can_prepack
+from support import assert_bf16_linear, load_benchmark
+
+needs_pairs = pytest.mark.skipif(
+    pairs_linear_ops() is None or not can_prepack(torch.device("cpu"), torch.bfloat16),
+    reason="the decode-size linear kernel needs AVX512_BF16 (and oneDNN's bf16 GEMM)")
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("k,n", [(896, 80), (100, 7), (4864, 898), (896, 1152)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pairs_kernel_gives_the_bf16_linear(rows: int, k: int, n: int, bias: bool) -> None:
+    """Row counts across the 8/4/2/1-row groups, N across whole block pairs, an odd last
+    block and a partial one (7, 898), K short and long."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    pack, linear = pairs_linear_ops()
+    with torch.inference_mode():
+        got, want = linear(x, pack(w), n, b), F.linear(x, w, b)
+    assert_bf16_linear(got, want, x, w)
+
+
+@needs_pairs
+def test_pairs_kernel_checks_its_arguments() -> None:
+    pack, linear = pairs_linear_ops()
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K even"):
+        pack(torch.randn(40, 63).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        linear(torch.randn(2, 62).to(torch.bfloat16), pack(w), 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        linear(torch.randn(2, 64).to(torch.bfloat16), pack(w), 60, None)
+
+
+@needs_pairs
+def test_packed_linear_takes_the_kernel_up_to_small_rows_and_onednn_past_them() -> None:
+    lin = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    pack, linear = pairs_linear_ops()
+    calls = []
+
+    def counting(x, packed, n, bias):
+        calls.append(x.shape[0])
+        return linear(x, packed, n, bias)
+    layer = PackedLinear(lin, pairs=(pack, counting))
+    plain = PackedLinear(lin)
+    with torch.inference_mode():
+        for shape in [(1, 256), (2, 3, 256), (SMALL_ROWS, 256), (SMALL_ROWS + 1, 256)]:
+            x = torch.randn(*shape).to(torch.bfloat16)
+            got = layer(x)
+            assert got.shape == (*shape[:-1], 96)
+            assert_bf16_linear(got.reshape(-1, 96), lin(x).reshape(-1, 96),
+                               x.reshape(-1, 256), lin.weight)
+            if x.numel() // 256 > SMALL_ROWS:  # oneDNN's GEMM: to the bit
+                assert torch.equal(got, plain(x))
+    assert calls == [1, 6, SMALL_ROWS]
+
+
+def _pairs_in(llm: LLM) -> list[bool]:
+    model = llm.engine.runner.model
+    return [m.pairs_op is not None for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+@needs_pairs
+def test_the_runner_copies_weights_for_the_kernel_unless_told_not_to(tiny_model_dirs) -> None:
+    """Every linear of a bf16 model gets the copy (the tied lm_head too); with
+    ``HLSERVE_CPU_SMALL_GEMM=0``, or where the copy would take over a quarter of the available
+    memory, none does. The greedy tokens are the same either way."""
+    path = tiny_model_dirs["qwen2"]
+    prompts = [[5, 9, 33, 4] * 10, [7] * 3, [11, 12]]
+    llm = LLM(str(path), dtype="bfloat16")
+    assert _pairs_in(llm) and all(_pairs_in(llm))
+    with_kernel = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLSERVE_CPU_SMALL_GEMM", "0")
+        off = LLM(str(path), dtype="bfloat16")
+    assert _pairs_in(off) and not any(_pairs_in(off))
+    assert [o.token_ids for o in off.generate(prompts, GREEDY, use_tqdm=False)] == with_kernel
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packed_linear, "_available_bytes", lambda: 1024)
+        tight = LLM(str(path), dtype="bfloat16")
+    assert not any(_pairs_in(tight))
+
+
+@needs_pairs
+def test_decode_linears_benchmark_runs_its_table(capsys, monkeypatch) -> None:
+    """benchmarks/decode_linears.py on two small layers, one row count, one round."""
+    bench = load_benchmark("decode_linears")
+    monkeypatch.setattr("sys.argv", ["decode_linears.py", "--rows", "4", "--rounds", "1",
+                                     "--layers", "2", "--vocab", "1024"])
+    bench.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 ")]
+    assert len(rows) == 1 and rows[0].count("|") == 5, rows
