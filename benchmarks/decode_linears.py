@@ -31,7 +31,7 @@ def weights(layers: int, vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = [(torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
            for _ in range(layers) for n, k in SHAPES]
-    return out + [(torch.randn(vocab, HIDDEN, generator=g) * 0.05).to(torch.bfloat16)]
+    return [*out, (torch.randn(vocab, HIDDEN, generator=g) * 0.05).to(torch.bfloat16)]
 
 
 def passes(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[], None]]:
