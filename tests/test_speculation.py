@@ -227,3 +227,27 @@ def test_rejection_sampling_never_emits_a_rejected_draft_at_once() -> None:
     for _ in range(200):
         out = rejection_verify([0], p, gen)
         assert out in ([0, 2], [1])
+
+
+def test_logit_rows_is_the_rule_sampling_and_the_last_layer_share() -> None:
+    """A prompt chunk short of the prompt's end reads no logits, the chunk that reaches it
+    reads its last row, a decode its one row, a speculating decode every row; draft_rows
+    picks exactly those rows."""
+    from hlserve.engine.batch import ScheduledSeq
+    from hlserve.request import Request, SamplingParams
+    from hlserve.runner.speculative import draft_rows
+
+    def request(computed: int, outputs: int) -> Request:
+        req = Request(list(range(3, 23)), SamplingParams(max_tokens=4))  # 20 prompt tokens
+        req.num_computed = computed
+        req.output_token_ids.extend([5] * outputs)
+        return req
+    prompt = request(0, 0)
+    mid, last = ScheduledSeq(prompt, 0, 8, [0]), ScheduledSeq(prompt, 8, 12, [0])
+    assert (mid.logit_rows, last.logit_rows) == (0, 1)
+    decode = ScheduledSeq(request(20, 1), 20, 1, [0, 1])
+    spec = ScheduledSeq(request(20, 1), 20, 4, [0, 1], draft=[7, 8, 9])
+    assert (decode.logit_rows, spec.logit_rows) == (1, 4)
+    rows, which, specs = draft_rows([mid, last, decode, spec])
+    assert (rows, which) == ([19, 20], [1, 2])
+    assert [(s.logit_rows, first) for s, first in specs] == [(4, 21)]

@@ -37,6 +37,16 @@ class ScheduledSeq:
         return self.end - len(self.draft) == self.request.num_tokens
 
     @property
+    def logit_rows(self) -> int:
+        """How many of the chunk's last rows the step reads logits of: every row of a
+        speculating decode (each verifies a draft token), the last row of any other chunk
+        that samples, none of one that does not. The runner's sampling (``draft_rows``) and
+        its last layer (``kept_rows``) both read this, so they keep the same rows."""
+        if not self.samples:
+            return 0
+        return self.num_tokens if self.draft else 1
+
+    @property
     def is_decode(self) -> bool:
         """One query row over a context: a plain decode, no draft."""
         return self.num_tokens == 1 and self.start > 0

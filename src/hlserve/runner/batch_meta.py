@@ -100,7 +100,7 @@ def kept_rows(batch: Batch, slots: list[int], paths: MetaPaths,
     spans: list[Span] = []
     first = 0
     for seq in batch.seqs:
-        keep = (seq.num_tokens if seq.draft else 1) if seq.samples else 0
+        keep = seq.logit_rows
         if keep == seq.num_tokens:
             spans.append(Span.of(seq))
         elif keep:  # a prompt's last row: a decode over the rest of the prompt
