@@ -87,7 +87,7 @@ def test_a_long_step_that_progresses_is_not_wedged(tiny_llama: Path, tmp_path: P
     503 (test_server_step_faults.py)."""
     pages = (PROMPTS * PROMPT_LEN) // 16 + 256
     args = [*BASE_ARGS, "--max-model-len", "2048", "--num-pages", str(pages),
-            "--engine-iteration-timeout", "4", "--max-step-seconds", "none",
+            "--engine-iteration-timeout", "2", "--max-step-seconds", "none",
             "--request-prefill-window", "none"]
     with ServerProcess(tiny_llama, args, log_path=tmp_path / "server.log") as srv, \
             httpx.Client(base_url=srv.url, timeout=300) as c:
@@ -108,5 +108,7 @@ def test_a_long_step_that_progresses_is_not_wedged(tiny_llama: Path, tmp_path: P
         t.join()
         took = time.monotonic() - t0
         assert result["status"] == 200
-        assert took > 8, "the step was not longer than the iteration timeout: no test"
+        # twice the timeout (the step of ~58K tokens takes 5-13 s, by the host's speed: a
+        # timeout of 4 s with this check at 8 s stopped testing anything on a faster day)
+        assert took > 4, f"the step ({took:.1f} s) was not longer than the timeout: no test"
         assert codes and set(codes) == {200}, codes
