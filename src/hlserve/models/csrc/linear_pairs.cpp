@@ -62,7 +62,7 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
   }
 }
 
-// every row of x (M rows) against NB column blocks from block b, in groups of up to 8 rows
+// every row of x (M rows) against NB column blocks from block b, in groups of up to kRows
 template <int NB>
 void blocks(const uint32_t* x, int64_t M, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
             const Out& o) {
@@ -70,7 +70,7 @@ void blocks(const uint32_t* x, int64_t M, int64_t KP, const uint32_t* w, int64_t
     const int64_t left = M - m0;
     const uint32_t* xm = x + m0 * KP;
     const Out om{o.y + m0 * o.ldy, o.ldy, o.bias};
-    if (left >= 8) tile<8, NB>(xm, KP, w, b, N, om), m0 += 8;
+    if (left >= kRows) tile<kRows, NB>(xm, KP, w, b, N, om), m0 += kRows;
     else if (left >= 4) tile<4, NB>(xm, KP, w, b, N, om), m0 += 4;
     else if (left >= 2) tile<2, NB>(xm, KP, w, b, N, om), m0 += 2;
     else tile<1, NB>(xm, KP, w, b, N, om), m0 += 1;
