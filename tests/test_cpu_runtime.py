@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from hlserve.cpu_runtime import find_tcmalloc, vllm_like_env
+import pytest
+import torch  # noqa: F401  (loads libgomp, which needs_libgomp looks for)
+
+from hlserve.cpu_runtime import find_tcmalloc, loaded_libgomp, vllm_like_env
 
 PROBE = ("from hlserve.cpu_runtime import arrange; arrange('cpu'); import os; "
          "print(os.environ.get('OMP_NUM_THREADS'), os.environ.get('GOMP_CPU_AFFINITY'), "
@@ -45,3 +49,74 @@ def test_user_settings_win() -> None:
     add = vllm_like_env({"OMP_NUM_THREADS": "1", "KMP_AFFINITY": "x", "LD_PRELOAD": "/a.so"},
                         [0, 1], "/lib/libtcmalloc_minimal.so.4")
     assert add == {"LD_PRELOAD": "/lib/libtcmalloc_minimal.so.4:/a.so"}
+
+
+# How often the OpenMP worker of a thread that did not build the engine sleeps over 300
+# back-to-back parallel regions (voluntary context switches: a spinning worker has none).
+SPIN_PROBE = """
+import os, sys, threading, torch
+torch.set_num_threads(2)
+if sys.argv[1] == "engine":  # as a server builds it: hlserve.server.api
+    from hlserve.config import EngineConfig
+    from hlserve.server.api import build_served_engine
+    build_served_engine(EngineConfig(model=sys.argv[2], dtype="float32", num_pages=64))
+x = torch.randn(2_000_000)  # (one thread's fill: no parallel region)
+if sys.argv[1] != "engine":
+    x + 1  # this thread's pool, as loading the weights makes one
+if sys.argv[1] == "release":
+    from hlserve.cpu_runtime import release_openmp_workers
+    assert release_openmp_workers()
+before = set(os.listdir("/proc/self/task"))
+out = {}
+
+def step_thread():
+    y = x + 1  # this thread's pool: one new worker
+    (worker,) = set(os.listdir("/proc/self/task")) - before - {str(threading.get_native_id())}
+    def sleeps():
+        with open(f"/proc/self/task/{worker}/status") as f:
+            return int(next(ln for ln in f if ln.startswith("voluntary_ctxt")).split()[1])
+    s0 = sleeps()
+    for _ in range(300):
+        torch.add(x, 1, out=y)
+    out["sleeps"] = sleeps() - s0
+
+t = threading.Thread(target=step_thread)
+t.start()
+t.join()
+print(out["sleeps"])
+"""
+
+
+def worker_sleeps(*args: str) -> int:
+    p = subprocess.run([sys.executable, "-c", SPIN_PROBE, *args], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout.split()[-1])
+
+
+needs_libgomp = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or loaded_libgomp() is None,
+    reason="needs 2 CPUs and torch on GNU OpenMP")
+
+
+@needs_libgomp
+def test_released_workers_let_another_threads_workers_spin() -> None:
+    """A second thread's OpenMP worker sleeps at every parallel region while the first
+    thread keeps its pool (libgomp throttles spinning past one managed thread per CPU), and
+    spins once the first thread's workers are given back."""
+    kept, released = worker_sleeps("keep"), worker_sleeps("release")
+    assert kept >= 150, kept  # ~one sleep per region: the throttled spin
+    assert released < kept / 4, (released, kept)
+
+
+@needs_libgomp
+def test_the_server_gives_back_the_loading_threads_workers(tiny_llama: Path) -> None:
+    """What ``hlserve serve`` builds its engine with leaves only the engine thread's pool."""
+    assert worker_sleeps("engine", str(tiny_llama)) < worker_sleeps("keep") / 4
+
+
+def test_release_needs_libgomp_in_the_process() -> None:
+    p = subprocess.run([sys.executable, "-c",
+                        "from hlserve.cpu_runtime import loaded_libgomp as f; print(f())"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    assert p.stdout.strip() == "None"  # torch not imported: nothing to release

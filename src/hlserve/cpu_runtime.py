@@ -88,3 +88,47 @@ def describe(env: os._Environ[str] | dict[str, str]) -> str:
     threads = f"pinned to {pinned}" if pinned else "unpinned"
     return (f"{alloc}, OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'torch default')}, "
             f"threads {threads} ({CHOICE}={env.get(CHOICE, 'default')})")
+
+
+def loaded_libgomp() -> str | None:
+    """The path of the GNU OpenMP runtime this process has loaded (torch's CPU wheels bundle
+    one), from ``/proc/self/maps``; None where none is loaded or there is no procfs."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if "/libgomp" in path and path.startswith("/"):
+            return path.strip()
+    return None
+
+
+def release_openmp_workers() -> bool:
+    """Give back the OpenMP worker threads of the calling thread; True where it did.
+
+    libgomp keeps a pool of workers for every thread that has run a parallel region. Once it
+    manages more threads than the process may run on CPUs, it cuts the spin of every idle
+    worker from ~300,000 iterations (a few ms) to 100, so workers sleep at once between
+    parallel regions and each region starts with a futex wake. A server builds its engine
+    (loading and packing the weights: parallel regions) on the main thread and then steps it
+    on the engine thread: two pools, three managed threads on two CPUs. Decode steps, a few
+    hundred short regions each, then ran 1.17x slower than on the loading thread (measured
+    on this engine, 2 threads, docs/bench.md). The thread that built the engine calls this
+    once, before the engine thread starts stepping: its pool goes, and only the engine
+    thread's remains (``omp_pause_resource_all(omp_pause_soft)``, OpenMP 5.0; libgomp frees
+    the caller's pool). Nothing is done under another OpenMP runtime, where the counts differ
+    (Intel's keeps its own block time), or inside a parallel region.
+    """
+    path = loaded_libgomp()
+    if path is None:
+        return False
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0 (GCC 9)
+        return False
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn(1) == 0  # omp_pause_soft; -1 inside a parallel region

@@ -29,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from hlserve.config import EngineConfig
+from hlserve.cpu_runtime import release_openmp_workers
 from hlserve.engine.engine import Engine
 from hlserve.engine.factory import build_engine
 from hlserve.runner.torch_runner import TorchRunner
@@ -92,7 +93,7 @@ def serve(config: EngineConfig, settings: ServerSettings) -> None:
     """Build the engine on ``config``, then serve until interrupted (``hlserve serve``)."""
     keys = KeyTable.load(settings.api_key, settings.api_keys_file)  # fail before loading
     configure_logging(settings.log_level)
-    engine = build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
+    engine = build_served_engine(config)
     model = settings.model_arg or config.model
     app = create_app(engine, settings, keys, model)
     st: ServerState = app.state.hlserve
@@ -107,6 +108,16 @@ def serve(config: EngineConfig, settings: ServerSettings) -> None:
     # SIGTERM drains (exit 0); a dead engine exits 1 so that a supervisor restarts us
     if code := run_server(app, st.bridge, settings):
         sys.exit(code)
+
+
+def build_served_engine(config: EngineConfig) -> Engine:
+    """The engine a server steps on its engine thread, built on this one. This thread's
+    OpenMP workers (from loading the weights) are given back once it is built, so that the
+    engine thread's are the only ones and spin between a step's parallel regions instead of
+    sleeping (cpu_runtime.release_openmp_workers: decode steps ran 1.17x slower without)."""
+    engine = build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
+    release_openmp_workers()
+    return engine
 
 
 def configure_logging(level: str) -> None:
