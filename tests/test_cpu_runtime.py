@@ -120,3 +120,14 @@ def test_release_needs_libgomp_in_the_process() -> None:
                         "from hlserve.cpu_runtime import loaded_libgomp as f; print(f())"],
                        capture_output=True, text=True, timeout=60, check=True)
     assert p.stdout.strip() == "None"  # torch not imported: nothing to release
+
+
+def test_engine_thread_benchmark_runs_its_table(tiny_llama: Path) -> None:
+    """benchmarks/engine_thread.py on the tiny model: one round, both batches, both ways."""
+    bench = Path(__file__).parents[1] / "benchmarks" / "engine_thread.py"
+    p = subprocess.run([sys.executable, str(bench), "--model", str(tiny_llama), "--rounds", "1",
+                        "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith(("| decode", "| prefill"))]
+    assert len(rows) == 2, p.stdout
+    assert all(ln.count("|") == 5 and "x (" in ln for ln in rows), rows
