@@ -113,7 +113,7 @@ def release_openmp_workers() -> bool:
     parallel regions and each region starts with a futex wake. A server builds its engine
     (loading and packing the weights: parallel regions) on the main thread and then steps it
     on the engine thread: two pools, three managed threads on two CPUs. Decode steps, a few
-    hundred short regions each, then ran 1.17x slower than on the loading thread (measured
+    hundred short regions each, then ran 1.15-1.18x slower than on the loading thread (measured
     on this engine, 2 threads, docs/bench.md). The thread that built the engine calls this
     once, before the engine thread starts stepping: its pool goes, and only the engine
     thread's remains (``omp_pause_resource_all(omp_pause_soft)``, OpenMP 5.0; libgomp frees
