@@ -98,9 +98,9 @@ def loaded_libgomp() -> str | None:
     except OSError:
         return None
     for line in maps.splitlines():
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if "/libgomp" in path and path.startswith("/"):
-            return path.strip()
+        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
+        if len(fields) == 6 and "/libgomp" in fields[5]:
+            return fields[5]
     return None
 
 

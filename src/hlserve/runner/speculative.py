@@ -69,11 +69,11 @@ def draft_rows(batch_seqs: list[ScheduledSeq]) -> tuple[list[int], list[int],
     end = 0
     for i, seq in enumerate(batch_seqs):
         end += seq.num_tokens
-        if not seq.logit_rows:
+        if not (keep := seq.logit_rows):
             continue
         if seq.draft:
-            spec.append((seq, end - seq.logit_rows))
+            spec.append((seq, end - keep))
         else:
-            rows.append(end - seq.logit_rows)
+            rows.append(end - keep)
             which.append(i)
     return rows, which, spec
