@@ -15,6 +15,7 @@ plain request from another client are answered within a second:
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import subprocess
@@ -252,6 +253,43 @@ def test_render_json_is_byte_for_byte_starlettes() -> None:
         assert render_json(obj) == JSONResponse(obj).body
     with pytest.raises(ValueError):
         render_json({"nan": [float("nan")] * 100})
+
+
+def test_a_large_body_is_built_with_no_collection() -> None:
+    """render_large pauses the cyclic collector while it builds and serialises: a full
+    collection walks the whole half-built body holding the GIL, and /health waited up to a
+    second behind such pauses (a CI run failed on row 4). The same build without the pause
+    sets collections off, so this test can fail; the collector is back on afterwards, and
+    stays off until the last of two overlapping builds is done."""
+    from hlserve.server.responses import render_json, render_large
+
+    def build() -> dict:
+        content = [{"token": "t", "logprob": -1.0, "bytes": [116],
+                    "top_logprobs": [{"token": "u", "logprob": -2.0, "bytes": [117]}] * 4}
+                   for _ in range(200_000)]
+        return {"choices": [{"logprobs": {"content": content}}]}
+
+    runs: list[dict] = []
+    count = lambda phase, info: runs.append(info) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(count)
+    try:
+        plain = render_json(build())
+        assert runs, "no collection ran while the body was built: the test shows nothing"
+        runs.clear()
+        assert render_large(build) == plain
+        assert not runs, f"{len(runs)} collections ran while the body was built"
+    finally:
+        gc.callbacks.remove(count)
+    assert gc.isenabled()
+    inner_saw: list[bool] = []
+
+    def nested() -> dict:
+        render_large(lambda: {"x": 1})  # another build ends while this one is under way
+        inner_saw.append(gc.isenabled())
+        return {}
+
+    render_large(nested)
+    assert inner_saw == [False] and gc.isenabled()
 
 
 def test_a_gbnf_grammar_too_costly_to_convert_is_refused_at_once(server: ServerProcess) -> None:

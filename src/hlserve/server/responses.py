@@ -7,7 +7,10 @@ calls taken out of its text, and usage that counts each prompt once.
 
 from __future__ import annotations
 
+import gc
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from hlserve.request import RequestOutput
@@ -119,3 +122,39 @@ def _render(obj: Any, parts: list[str]) -> None:
         parts.append("]")
     else:
         parts.append(_dumps(obj))
+
+
+class _CollectorPause:
+    """Python's cyclic collector off while any thread builds a large body. A large logprobs
+    answer is half a million small dicts and lists, alive until serialised; each full
+    collection the build set off walked all of them holding the GIL, 0.1-0.3 s in which the
+    event loop answered nothing (the start-up heap is frozen: server/api.py). The bodies hold
+    no cycles, and are freed, by reference count, before the collector is back on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._builders = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._builders == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._builders += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._builders -= 1
+            if self._builders == 0 and self._was_enabled:
+                gc.enable()
+
+
+_COLLECTOR_PAUSE = _CollectorPause()
+
+
+def render_large(build: Callable[[], dict[str, Any]]) -> bytes:
+    """``render_json(build())`` with the collector paused: the body is built, serialised and
+    dropped before it resumes, so no collection ever walks it."""
+    with _COLLECTOR_PAUSE:
+        return render_json(build())

@@ -54,7 +54,7 @@ from hlserve.server.protocol import (
     error_body,
     new_id,
 )
-from hlserve.server.responses import chat_body, completion_body, render_json
+from hlserve.server.responses import chat_body, completion_body, render_large
 from hlserve.server.responses_api import (
     ResponsesRequest,
     cancel_response,
@@ -137,7 +137,8 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
     # a large body (long outputs, logprobs: one decode per entry) is built and serialised in
     # the prep pool: a 20 MB logprobs response took seconds on the event loop
     content = await st.offload.run("prep", inbound.client,
-                                   lambda: render_json(body(st, rid, model, req, outs, echo)))
+                                   lambda: render_large(lambda: body(st, rid, model, req, outs,
+                                                                     echo)))
     return Response(content, media_type="application/json")
 
 

@@ -29,25 +29,30 @@ torch::Tensor pack_bf16_pairs(const torch::Tensor& w);
 torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                                 const c10::optional<torch::Tensor>& bias);
 
+// A kernel runs without the GIL, as torch's own operators do: held, every kernel call (the
+// whole of a step's linears and attention) stopped the server's event loop and its prep
+// threads, and /health waited up to a second behind a step.
+using nogil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention over the page pool");
-  m.def("prefill_attention", &prefill_attention,
+  m.def("decode_attention", &decode_attention, nogil(), "paged decode attention over the page pool");
+  m.def("prefill_attention", &prefill_attention, nogil(),
         "paged prefill attention over the page pool (bf16, AVX512_BF16), written into out");
-  m.def("prefill_attention_rowpair", &prefill_attention_rowpair,
+  m.def("prefill_attention_rowpair", &prefill_attention_rowpair, nogil(),
         "the kernel prefill_attention replaced (same arguments), kept for benchmarks");
   m.def("prefill_attention_built", &prefill_attention_built,
         "whether prefill_attention was compiled (the CPU has AVX512_BF16)");
   m.def("fused_ops_built", &fused_ops_built, "whether the fused bf16 ops were compiled");
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += a in place, then RMSNorm of x");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up in bf16");
-  m.def("rope_", &rope_, "rotary embedding of [T, heads, D] in place");
+  m.def("rms_norm", &rms_norm, nogil(), "RMSNorm of bf16 rows");
+  m.def("add_rms_norm_", &add_rms_norm_, nogil(), "x += a in place, then RMSNorm of x");
+  m.def("silu_mul", &silu_mul, nogil(), "silu(gate) * up in bf16");
+  m.def("rope_", &rope_, nogil(), "rotary embedding of [T, heads, D] in place");
   m.def("linear_bf16_built", &linear_bf16_built,
         "whether linear_bf16 was compiled (the CPU has AVX2 and FMA)");
-  m.def("linear_bf16", &linear_bf16, "x W^T + b for bf16 x and W, fp32 math, AVX2 (few rows)");
+  m.def("linear_bf16", &linear_bf16, nogil(), "x W^T + b for bf16 x and W, fp32 math, AVX2 (few rows)");
   m.def("linear_pairs_built", &linear_pairs_built,
         "whether linear_bf16_pairs was compiled (the CPU has AVX512_BF16)");
-  m.def("pack_bf16_pairs", &pack_bf16_pairs, "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
-  m.def("linear_bf16_pairs", &linear_bf16_pairs,
+  m.def("pack_bf16_pairs", &pack_bf16_pairs, nogil(), "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
+  m.def("linear_bf16_pairs", &linear_bf16_pairs, nogil(),
         "x W^T + b over a weight from pack_bf16_pairs (bf16, AVX512_BF16, few rows)");
 }
