@@ -59,7 +59,7 @@ def timed(fn: Callable[[], None]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 6, 7, 8, 12, 16, 24, 32])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=151936)

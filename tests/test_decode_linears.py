@@ -22,12 +22,13 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @needs_pairs
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33])
 @pytest.mark.parametrize("k,n", [(896, 80), (100, 7), (4864, 898), (896, 1152)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_pairs_kernel_gives_the_bf16_linear(rows: int, k: int, n: int, bias: bool) -> None:
-    """Row counts across the 8/4/2/1-row groups, N across whole block pairs, an odd last
-    block and a partial one (7, 898), K short and long."""
+    """Every row count a batch's last group can have (1-7 rows are a tile of their own size,
+    after 8-row groups or alone), N across whole block pairs, an odd last block and a partial
+    one (7, 898), K short and long."""
     g = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)

@@ -51,7 +51,7 @@ def test_rms_norm_and_the_residual_add(rows: int, width: int) -> None:
 
 
 @needs_fused
-@pytest.mark.parametrize("rows,width", [(16, 4864), (7, 100)])
+@pytest.mark.parametrize("rows,width", [(16, 4864), (7, 100), (301, 100)])  # 301: threads split mid-row
 def test_silu_mul(rows: int, width: int) -> None:
     g = torch.Generator().manual_seed(width)
     gate = (torch.randn(rows, width, generator=g) * 4).bfloat16()

@@ -137,9 +137,11 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   uint16_t* o = mbf(out);
   const int64_t per_row = (F + 15) / 16;
   const __m512 one = _mm512_set1_ps(1.0f);
+  // a chunk's vectors, walked by (row, column) from its first: a 64-bit division per
+  // vector to find them cost a fifth of the op (507 x 4,864: 0.85 ms, 0.69 ms without)
   at::parallel_for(0, T * per_row, 1024, [&](int64_t b, int64_t e) {
+    int64_t t = b / per_row, i = (b % per_row) * 16;
     for (int64_t c = b; c < e; ++c) {
-      const int64_t t = c / per_row, i = (c % per_row) * 16;
       const int m = static_cast<int>(std::min<int64_t>(16, F - i));
       const uint16_t *gp = g + t * gs + i, *up_ = u + t * us + i;
       const __m512 gv = m == 16 ? load_bf16(gp) : load_bf16_n(gp, m);
@@ -148,6 +150,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
       const __m512 r = _mm512_mul_ps(s, uv);
       if (m == 16) store_bf16(o + t * F + i, r);
       else store_bf16_n(o + t * F + i, r, m);
+      if ((i += 16) >= F) i = 0, ++t;
     }
   });
   return out;

@@ -6,14 +6,15 @@
 // (benchmarks/decode_linears.py). Here W is stored as [N/16 column blocks][K/2 pairs of
 // k][16 columns][2]: one 64-byte load is 16 columns x one pair of k, which vdpbf16ps
 // multiplies by a broadcast pair of one row of x and adds into 16 fp32 sums. A task takes
-// two column blocks (32 columns) and walks all of K once per group of up to 8 rows, the
-// blocks' weights read from memory for the first group and from L2 for the others; 8 rows x
-// 2 blocks are 16 accumulators. The sums are fp32, rounded once to bf16 (nearest even, after
+// two column blocks (32 columns) and walks all of K once per group of up to 8 rows (the last
+// group a tile of its own size), the blocks' weights read from memory for the first group
+// and from L2 for the others; 8 rows x 2 blocks are 16 accumulators. The sums are fp32, rounded once to bf16 (nearest even, after
 // the bias), as PyTorch's bf16 linear does: the result differs from it only by fp32
 // summation order. Threads split the column blocks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512BF16__)
@@ -62,18 +63,25 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
   }
 }
 
+// rows (1..R) of x against NB column blocks as one tile of exactly that many rows: a
+// batch's rows past its 8-row groups walk K once, where split 4 + 2 + 1 they walked it up to
+// three times, each walk bound by its loads' latency (5-7 rows ran at oneDNN's speed)
+template <int NB, int R = kRows>
+inline void tile_of(int64_t rows, const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b,
+                    int64_t N, const Out& o) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_of<NB, R - 1>(rows, x, KP, w, b, N, o);
+  }
+  tile<R, NB>(x, KP, w, b, N, o);
+}
+
 // every row of x (M rows) against NB column blocks from block b, in groups of up to kRows
 template <int NB>
 void blocks(const uint32_t* x, int64_t M, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
             const Out& o) {
-  for (int64_t m0 = 0; m0 < M;) {
-    const int64_t left = M - m0;
-    const uint32_t* xm = x + m0 * KP;
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const Out om{o.y + m0 * o.ldy, o.ldy, o.bias};
-    if (left >= kRows) tile<kRows, NB>(xm, KP, w, b, N, om), m0 += kRows;
-    else if (left >= 4) tile<4, NB>(xm, KP, w, b, N, om), m0 += 4;
-    else if (left >= 2) tile<2, NB>(xm, KP, w, b, N, om), m0 += 2;
-    else tile<1, NB>(xm, KP, w, b, N, om), m0 += 1;
+    tile_of<NB>(std::min<int64_t>(kRows, M - m0), x + m0 * KP, KP, w, b, N, om);
   }
 }
 
