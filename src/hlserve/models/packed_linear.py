@@ -14,7 +14,7 @@ At the few rows of a decode step oneDNN's GEMM streams the weight well below wha
 gives (24 GB/s at 8 rows, 18 at 16, on a 2-core Zen 4), and a decode step is bound by that
 stream. So up to :data:`SMALL_ROWS` rows a :class:`PackedLinear` runs ``linear_pairs.cpp``
 over a second copy of its weight in that kernel's layout (``cpu_kernels.pairs_linear_ops``,
-AVX512_BF16 only): 1.15-1.66x faster at 1-16 rows (``benchmarks/decode_linears.py``). Its
+AVX512_BF16 only): 1.1-1.7x faster at 1-16 rows (``benchmarks/decode_linears.py``). Its
 output is the bf16 linear's but for fp32 summation order, as :class:`WideLinear`'s is. The
 copy doubles the linears' memory; ``HLSERVE_CPU_SMALL_GEMM=0`` leaves it out (oneDNN at every
 row count), and it is left out by itself where it would take more than a quarter of the
@@ -76,7 +76,7 @@ def can_widen(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # Up to this many rows a PackedLinear with a pairs copy runs linear_pairs.cpp: at 1-16 rows it
-# streams the weight 1.15-1.66x faster than oneDNN's GEMM, at 32 they are equal
+# streams the weight 1.1-1.7x faster than oneDNN's GEMM, at 32 they are equal
 # (benchmarks/decode_linears.py, Zen 4).
 SMALL_ROWS = 16
 
