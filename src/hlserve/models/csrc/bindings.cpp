@@ -35,7 +35,8 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pac
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, nogil(), "paged decode attention over the page pool");
+  m.def("decode_attention", &decode_attention, nogil(),
+        "paged decode attention over the page pool");
   m.def("prefill_attention", &prefill_attention, nogil(),
         "paged prefill attention over the page pool (bf16, AVX512_BF16), written into out");
   m.def("prefill_attention_rowpair", &prefill_attention_rowpair, nogil(),
@@ -49,10 +50,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, nogil(), "rotary embedding of [T, heads, D] in place");
   m.def("linear_bf16_built", &linear_bf16_built,
         "whether linear_bf16 was compiled (the CPU has AVX2 and FMA)");
-  m.def("linear_bf16", &linear_bf16, nogil(), "x W^T + b for bf16 x and W, fp32 math, AVX2 (few rows)");
+  m.def("linear_bf16", &linear_bf16, nogil(),
+        "x W^T + b for bf16 x and W, fp32 math, AVX2 (few rows)");
   m.def("linear_pairs_built", &linear_pairs_built,
         "whether linear_bf16_pairs was compiled (the CPU has AVX512_BF16)");
-  m.def("pack_bf16_pairs", &pack_bf16_pairs, nogil(), "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
+  m.def("pack_bf16_pairs", &pack_bf16_pairs, nogil(),
+        "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
   m.def("linear_bf16_pairs", &linear_bf16_pairs, nogil(),
         "x W^T + b over a weight from pack_bf16_pairs (bf16, AVX512_BF16, few rows)");
 }
