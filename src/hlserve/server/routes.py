@@ -14,6 +14,7 @@ errors); :func:`json_body` still declares each body's model for ``/openapi.json`
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -136,9 +137,8 @@ async def respond(request: Request, st: ServerState, group: RequestGroup, rid: s
         return JSONResponse(body(st, rid, model, req, outs, echo))
     # a large body (long outputs, logprobs: one decode per entry) is built and serialised in
     # the prep pool: a 20 MB logprobs response took seconds on the event loop
-    content = await st.offload.run("prep", inbound.client,
-                                   lambda: render_large(lambda: body(st, rid, model, req, outs,
-                                                                     echo)))
+    build = partial(body, st, rid, model, req, outs, echo)
+    content = await st.offload.run("prep", inbound.client, render_large, build)
     return Response(content, media_type="application/json")
 
 

@@ -8,9 +8,9 @@
 // multiplies by a broadcast pair of one row of x and adds into 16 fp32 sums. A task takes
 // two column blocks (32 columns) and walks all of K once per group of up to 8 rows (the last
 // group a tile of its own size), the blocks' weights read from memory for the first group
-// and from L2 for the others; 8 rows x 2 blocks are 16 accumulators. The sums are fp32, rounded once to bf16 (nearest even, after
-// the bias), as PyTorch's bf16 linear does: the result differs from it only by fp32
-// summation order. Threads split the column blocks.
+// and from L2 for the others; 8 rows x 2 blocks are 16 accumulators. The sums are fp32,
+// rounded once to bf16 (nearest even, after the bias), as PyTorch's bf16 linear does: the
+// result differs from it only by fp32 summation order. Threads split the column blocks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
