@@ -16,10 +16,11 @@ the pool read itself; docs/bench.md, "Engine speed"):
 And the fused elementwise ops of a layer in bf16 (RMSNorm with its residual add, SiLU x up,
 RoPE; ``fused_ops()``, used by ``models/fused.py``), also AVX512_BF16 only.
 
-And a bf16 linear for the few rows of a decode step over a weight packed for the bf16
-dot-product instruction (``pairs_linear_ops()``, used by ``models/packed_linear.py``'s
-``PackedLinear`` up to ``SMALL_ROWS``), AVX512_BF16 only: it streams the weight faster than
-oneDNN's GEMM does at those row counts.
+And a bf16 linear over a weight packed for the bf16 dot-product instruction
+(``pairs_linear_ops()``, used by ``models/packed_linear.py``'s ``PackedLinear``), AVX512_BF16
+only: it streams the weight faster than oneDNN's GEMM at a decode step's few rows and is at
+least as fast at a prompt's many; with SiLU x up in its epilogue for an MLP's merged gate/up
+projection (``gate_up_silu_op()``).
 
 And, for a CPU with AVX2 but no bf16 GEMM, a bf16 linear over few rows (``linear_op()``,
 used by ``models/packed_linear.py``'s ``WideLinear`` at decode sizes): it reads the bf16
@@ -189,6 +190,20 @@ def pairs_linear_ops() -> tuple[Callable[[torch.Tensor], torch.Tensor], PairsLin
     if module is None or not module.linear_pairs_built():  # type: ignore[attr-defined]
         return None
     return module.pack_bf16_pairs, module.linear_bf16_pairs  # type: ignore[attr-defined]
+
+
+# (x, packed, inter, bias) -> bf16(bf16(silu(gate)) * up) [M, inter]
+GateUpSilu = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+
+def gate_up_silu_op() -> GateUpSilu | None:
+    """``linear_pairs.cpp``'s gate/up GEMM with SiLU x up in its epilogue, over a merged gate/up
+    weight whose 16-row blocks of gate and up alternate, packed by ``pairs_linear_ops()``'s
+    ``pack``; None where that kernel is not available."""
+    module = _module()
+    if module is None or not module.linear_pairs_built():  # type: ignore[attr-defined]
+        return None
+    return module.gate_up_silu  # type: ignore[attr-defined, no-any-return]
 
 
 def _load() -> object | None:

@@ -17,6 +17,7 @@ from hlserve.errors import ModelLoadError
 from hlserve.models import fused
 from hlserve.models.attention import AttentionMetadata, KeptRows, paged_attention, write_kv
 from hlserve.models.config import ModelConfig
+from hlserve.models.packed_linear import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -163,6 +164,9 @@ class MLP(nn.Module):
 
     def _merged_forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up_proj is not None
+        if isinstance(self.gate_up_proj, PackedLinear) and self.gate_up_proj.fuses_silu_mul:
+            # SiLU x up in the GEMM's epilogue: no [rows, 2 x inter] output, no pass over it
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         gate_up = self.gate_up_proj(x)
         inter = gate_up.shape[-1] // 2
         return self.down_proj(fused.silu_mul(gate_up[:, :inter], gate_up[:, inter:]))

@@ -44,7 +44,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hlserve.models.cpu_kernels import LinearOp, PairsLinear, linear_op, pairs_linear_ops
+from hlserve.models import fused
+from hlserve.models.cpu_kernels import (
+    GateUpSilu,
+    LinearOp,
+    PairsLinear,
+    gate_up_silu_op,
+    linear_op,
+    pairs_linear_ops,
+)
 
 log = logging.getLogger("hlserve.models")
 
@@ -75,38 +83,89 @@ def can_widen(device: torch.device, dtype: torch.dtype) -> bool:
         return True
 
 
-# Up to this many rows a PackedLinear with a pairs copy runs linear_pairs.cpp: at 1-16 rows it
-# streams the weight 1.1-1.7x faster than oneDNN's GEMM, at 32 they are equal
-# (benchmarks/decode_linears.py, Zen 4).
+# Where the CPU has AMX, a PackedLinear with a pairs copy runs linear_pairs.cpp up to this many
+# rows and oneDNN (whose AMX GEMM outruns bf16 dot products on many rows) past them. Elsewhere
+# the kernel takes every row count: on a 2-core Zen 4 it streams a decode step's weights
+# 1.1-1.7x faster at 1-32 rows and matches or beats oneDNN's GEMM at 64-2,048 (1.00-1.07x;
+# benchmarks/decode_linears.py), so oneDNN's copy is not kept at all.
 SMALL_ROWS = 16
+ALL_ROWS = 1 << 62
 
 PairsOps = tuple[Callable[[torch.Tensor], torch.Tensor], PairsLinear]
 
 
+def pairs_rows() -> int:
+    """How many rows of a call the decode-size kernel takes on this CPU (see SMALL_ROWS)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return SMALL_ROWS if amx is not None and amx() else ALL_ROWS
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` over a weight packed once into oneDNN's layout and, given ``pairs``
-    (``cpu_kernels.pairs_linear_ops()``), a second copy for ``linear_pairs.cpp``, which
-    serves calls of up to :data:`SMALL_ROWS` rows."""
+    (``cpu_kernels.pairs_linear_ops()``), a copy for ``linear_pairs.cpp``, which serves calls
+    of up to ``max_pairs_rows`` rows (past them oneDNN; with ``ALL_ROWS`` no oneDNN copy is
+    made).
+
+    Given ``gate_up_silu`` (``cpu_kernels.gate_up_silu_op()``), the layer is an MLP's merged
+    gate/up projection ([gate; up] by rows, each ``out_features / 2``, a multiple of 16): its
+    pairs copy holds the 16-row blocks of gate and up alternately, and :meth:`silu_mul`
+    returns ``silu(gate) * up`` from the kernel's epilogue, without the [rows, 2 x inter]
+    output or a pass over it (``forward`` still returns [gate | up])."""
 
     def __init__(self, linear: nn.Linear, rows_hint: int = 16,
-                 pairs: PairsOps | None = None) -> None:
+                 pairs: PairsOps | None = None, max_pairs_rows: int = SMALL_ROWS,
+                 gate_up_silu: GateUpSilu | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = _PACK(linear.weight.detach(), rows_hint)
-        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
         self.pairs_op: PairsLinear | None = None
+        self.pairs_rows = 0
+        self.gate_up_op: GateUpSilu | None = None
+        weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
         if pairs is not None and self.in_features % 2 == 0:
             pack, self.pairs_op = pairs
-            self.register_buffer("pairs_weight", pack(linear.weight.detach()), persistent=False)
+            self.pairs_rows = max_pairs_rows
+            if gate_up_silu is not None and self.out_features % 32 == 0:
+                self.gate_up_op = gate_up_silu
+                weight = _interleave_halves(weight)
+                if bias is not None:
+                    bias = _interleave_halves(bias[:, None])[:, 0]
+            self.register_buffer("pairs_weight", pack(weight), persistent=False)
+        # the bias in the pairs copy's column order
+        self.register_buffer("pairs_bias", bias, persistent=False)
+        packed = None if self.pairs_rows >= ALL_ROWS else _PACK(linear.weight.detach(), rows_hint)
+        self.register_buffer("packed_weight", packed, persistent=False)
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        return self.gate_up_op is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.pairs_op is not None and rows <= SMALL_ROWS:
+        if self.pairs_op is not None and rows <= self.pairs_rows:
             y = self.pairs_op(x.reshape(rows, self.in_features), self.pairs_weight,
-                              self.out_features, self.bias)
+                              self.out_features, self.pairs_bias)
+            if self.gate_up_op is not None:  # blocks of gate and up alternate: [gate | up]
+                y = y.view(rows, -1, 2, 16).transpose(1, 2).reshape(rows, self.out_features)
             return y.view(*x.shape[:-1], self.out_features)
         return _LINEAR(x, self.packed_weight, self.bias, "none", [], "")
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a merged gate/up layer for 2-D ``x``: the unfused result
+        (``fused.silu_mul`` over ``forward``'s bf16 output) to the bit."""
+        assert self.gate_up_op is not None, "silu_mul needs a gate/up layer with the kernel"
+        rows, inter = x.shape[0], self.out_features // 2
+        if rows <= self.pairs_rows:
+            return self.gate_up_op(x, self.pairs_weight, inter, self.bias)
+        gate_up = self.forward(x)
+        return fused.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+
+
+def _interleave_halves(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows -> 16 gate rows, the same 16 up rows, the next 16 gate rows, ..."""
+    n, k = weight.shape
+    return weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
 
 
 # up to this many rows the AVX2 kernel is at least as fast as fp32's GEMM over the fp32 copy (it
@@ -139,12 +198,12 @@ class WideLinear(nn.Module):
         return F.linear(x.float(), self.weight32, self.bias32).to(self.out_dtype)
 
 
-def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+def _replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, make(child))
+                setattr(parent, name, make(name, child))
                 count += 1
     return count
 
@@ -160,41 +219,56 @@ def _available_bytes() -> int | None:
     return None
 
 
-def small_gemm_ops(model: nn.Module) -> PairsOps | None:
+def small_gemm_ops(model: nn.Module, max_rows: int | None = None) -> PairsOps | None:
     """The decode-size kernel's ops for ``model``'s linears, or None where it is off
-    (``HLSERVE_CPU_SMALL_GEMM=0``), not built, or its copy of the weights (their size again)
-    would take more than a quarter of the memory available now."""
+    (``HLSERVE_CPU_SMALL_GEMM=0``) or not built, or where it serves only up to
+    ``max_rows`` (default :func:`pairs_rows`) < ``ALL_ROWS`` rows beside oneDNN's copy and its
+    own copy (the weights' size again) would take more than a quarter of the memory
+    available now. Serving every row count, it replaces oneDNN's copy and costs nothing."""
     if os.environ.get("HLSERVE_CPU_SMALL_GEMM", "1") == "0":
         return None
     ops = pairs_linear_ops()
     if ops is None:
         return None
+    rows = pairs_rows() if max_rows is None else max_rows
     extra = sum(m.weight.numel() * m.weight.element_size()
                 for m in model.modules() if isinstance(m, nn.Linear))
     available = _available_bytes()
-    if available is not None and extra > available // 4:
+    if rows < ALL_ROWS and available is not None and extra > available // 4:
         log.warning("decode-size linear kernel left out: its copy of the weights (%.1f GiB) "
                     "would take over a quarter of the available memory (%.1f GiB)",
                     extra / 2**30, available / 2**30)
         return None
-    log.info("decode-size linear kernel up to %d rows: a second copy of the weights, %.2f GiB "
-             "(HLSERVE_CPU_SMALL_GEMM=0 leaves it out)", SMALL_ROWS, extra / 2**30)
+    if rows < ALL_ROWS:
+        log.info("decode-size linear kernel up to %d rows: a second copy of the weights, "
+                 "%.2f GiB (HLSERVE_CPU_SMALL_GEMM=0 leaves it out)", rows, extra / 2**30)
+    else:
+        log.info("bf16 linears in linear_pairs.cpp at every row count, SiLU x up in the gate/up "
+                 "GEMM (HLSERVE_CPU_SMALL_GEMM=0: oneDNN)")
     return ops
 
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` (with the
-    decode-size kernel's copy where :func:`small_gemm_ops` allows it); returns how many."""
-    pairs = small_gemm_ops(model)
-    count = _replace_linears(model, lambda linear: PackedLinear(linear, pairs=pairs))
-    log.info("prepacked %d linear layers for oneDNN (bf16, CPU)", count)
+    decode-size kernel's copy where :func:`small_gemm_ops` allows it, and SiLU x up fused into
+    each ``gate_up_proj``); returns how many."""
+    rows = pairs_rows()
+    pairs = small_gemm_ops(model, rows)
+    silu = gate_up_silu_op() if pairs is not None else None
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        return PackedLinear(linear, pairs=pairs, max_pairs_rows=rows,
+                            gate_up_silu=silu if name == "gate_up_proj" else None)
+    count = _replace_linears(model, make)
+    log.info("prepacked %d linear layers for %s (bf16, CPU)", count,
+             "linear_pairs.cpp" if pairs is not None and rows >= ALL_ROWS else "oneDNN")
     return count
 
 
 def widen_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`WideLinear`; returns how many."""
     op = linear_op() if os.environ.get("HLSERVE_CPU_LINEAR_KERNEL", "1") != "0" else None
-    count = _replace_linears(model, lambda linear: WideLinear(linear, op))
+    count = _replace_linears(model, lambda _, linear: WideLinear(linear, op))
     log.info("%d bf16 linear layers compute in fp32 (%s up to %d rows): this CPU's oneDNN has "
              "no bf16 kernels (HLSERVE_CPU_WIDE_LINEAR=0 keeps them in bf16)", count,
              "the AVX2 kernel" if op is not None else "fp32's GEMM", KERNEL_ROWS)

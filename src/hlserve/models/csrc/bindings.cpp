@@ -28,6 +28,8 @@ bool linear_pairs_built();
 torch::Tensor pack_bf16_pairs(const torch::Tensor& w);
 torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                                 const c10::optional<torch::Tensor>& bias);
+torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                           const c10::optional<torch::Tensor>& bias);
 
 // A kernel runs without the GIL, as torch's own operators do: held, every kernel call (the
 // whole of a step's linears and attention) stopped the server's event loop and its prep
@@ -57,5 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_pairs", &pack_bf16_pairs, nogil(),
         "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
   m.def("linear_bf16_pairs", &linear_bf16_pairs, nogil(),
-        "x W^T + b over a weight from pack_bf16_pairs (bf16, AVX512_BF16, few rows)");
+        "x W^T + b over a weight from pack_bf16_pairs (bf16, AVX512_BF16)");
+  m.def("gate_up_silu", &gate_up_silu, nogil(),
+        "silu(gate) * up of x over an MLP's gate/up weight packed with its blocks interleaved");
 }

@@ -11,6 +11,13 @@
 // and from L2 for the others; 8 rows x 2 blocks are 16 accumulators. The sums are fp32,
 // rounded once to bf16 (nearest even, after the bias), as PyTorch's bf16 linear does: the
 // result differs from it only by fp32 summation order. Threads split the column blocks.
+//
+// gate_up_silu is the same GEMM over an MLP's merged gate/up weight packed with its gate and
+// up blocks interleaved (gate columns 16j..16j+15, then the same up columns): a task's two
+// blocks are then one gate block and its up block, and the tile writes
+// bf16(bf16(silu(gate)) * up) instead of both, as silu_mul (fused_ops.cpp) does on the bf16
+// GEMM output. The [rows, 2 x intermediate] output and the pass over it are gone, and the
+// result is the unfused one to the bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,6 +26,8 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "avx512_math.h"
 
 namespace {
 
@@ -30,12 +39,26 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 // The output pointers and sizes of one call.
 struct Out {
   uint16_t* y;
-  int64_t ldy;  // N
-  const float* bias;  // fp32, padded to whole blocks, or nullptr
+  int64_t ldy;  // the output's columns: N, or the intermediate size for kSiluMul
+  const float* bias;  // fp32 in the packed column order, padded to whole blocks, or nullptr
 };
 
+// What a tile does with its sums: store every block's columns, or (two blocks: a gate block
+// and its up block) store bf16(bf16(silu(gate)) * up) in the gate block's columns / 2.
+enum class Epi { kStore, kSiluMul };
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 (nearest even) and back
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
+}
+
+inline __mmask16 first_lanes(int64_t left) {
+  return left >= kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // rows m0..m0+R-1 of x against NB column blocks starting at block b (KP pairs of k each)
-template <int R, int NB>
+template <int R, int NB, Epi E>
 inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
                  const Out& o) {
   __m512 acc[R][NB];
@@ -50,15 +73,32 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, as_bh(wv[j]));
     }
   }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t col = (b + j) * kCols;
-    const int64_t left = N - col;
-    const __mmask16 mask = left >= kCols ? static_cast<__mmask16>(0xFFFF)
-                                         : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + col) : _mm512_setzero_ps();
+  __m512 bias[NB];
+  for (int j = 0; j < NB; ++j)
+    bias[j] = o.bias ? _mm512_loadu_ps(o.bias + (b + j) * kCols) : _mm512_setzero_ps();
+  if constexpr (E == Epi::kSiluMul) {
+    static_assert(NB == 2, "a gate block and its up block");
+    // the GEMM's bf16 outputs, then silu_mul's arithmetic on them (fused_ops.cpp)
+    const int64_t col = b / 2 * kCols;
+    const __mmask16 mask = first_lanes(N / 2 - col);
+    const __m512 one = _mm512_set1_ps(1.0f);
     for (int m = 0; m < R; ++m) {
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bias));
+      const __m512 g = round_bf16(_mm512_add_ps(acc[m][0], bias[0]));
+      const __m512 u = round_bf16(_mm512_add_ps(acc[m][1], bias[1]));
+      const __m512 s = round_bf16(_mm512_div_ps(
+          g, _mm512_add_ps(one, hlserve_avx::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(s, u));
       _mm256_mask_storeu_epi16(o.y + m * o.ldy + col, mask, reinterpret_cast<const __m256i&>(v));
+    }
+  } else {
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = (b + j) * kCols;
+      const __mmask16 mask = first_lanes(N - col);
+      for (int m = 0; m < R; ++m) {
+        const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bias[j]));
+        _mm256_mask_storeu_epi16(o.y + m * o.ldy + col, mask,
+                                 reinterpret_cast<const __m256i&>(v));
+      }
     }
   }
 }
@@ -66,22 +106,22 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
 // rows (1..R) of x against NB column blocks as one tile of exactly that many rows: a
 // batch's rows past its 8-row groups walk K once, where split 4 + 2 + 1 they walked it up to
 // three times, each walk bound by its loads' latency (5-7 rows ran at oneDNN's speed)
-template <int NB, int R = kRows>
+template <int NB, Epi E, int R = kRows>
 inline void tile_of(int64_t rows, const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b,
                     int64_t N, const Out& o) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_of<NB, R - 1>(rows, x, KP, w, b, N, o);
+    if (rows < R) return tile_of<NB, E, R - 1>(rows, x, KP, w, b, N, o);
   }
-  tile<R, NB>(x, KP, w, b, N, o);
+  tile<R, NB, E>(x, KP, w, b, N, o);
 }
 
 // every row of x (M rows) against NB column blocks from block b, in groups of up to kRows
-template <int NB>
+template <int NB, Epi E = Epi::kStore>
 void blocks(const uint32_t* x, int64_t M, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
             const Out& o) {
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const Out om{o.y + m0 * o.ldy, o.ldy, o.bias};
-    tile_of<NB>(std::min<int64_t>(kRows, M - m0), x + m0 * KP, KP, w, b, N, om);
+    tile_of<NB, E>(std::min<int64_t>(kRows, M - m0), x + m0 * KP, KP, w, b, N, om);
   }
 }
 
@@ -135,6 +175,33 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pac
   return y;
 }
 
+torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "gate_up_silu: bf16 x [M, K] and a weight from pack_bf16_pairs");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), KP = packed.size(1), NBk = packed.size(0);
+  TORCH_CHECK(inter % kCols == 0 && NBk * kCols == 2 * inter && xc.size(1) == 2 * KP,
+              "gate_up_silu: x's K or the intermediate size (a multiple of 16) does not match "
+              "the packed weight");
+  torch::Tensor y = torch::empty({M, inter}, xc.options());
+  torch::Tensor b32;
+  if (bias.has_value() && bias->defined()) {  // [gate | up] -> the packed blocks' order
+    TORCH_CHECK(bias->numel() == 2 * inter, "gate_up_silu: bias of 2 x inter elements");
+    b32 = bias->to(torch::kFloat32).view({2, inter / kCols, kCols}).transpose(0, 1).contiguous();
+  }
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const Out o{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), inter,
+              b32.defined() ? b32.data_ptr<float>() : nullptr};
+  if (M == 0) return y;
+  at::parallel_for(0, NBk / 2, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) blocks<2, Epi::kSiluMul>(xp, M, KP, w, 2 * p, 2 * inter, o);
+  });
+  return y;
+}
+
 #else  // no AVX512_BF16: oneDNN (or WideLinear) serves every row count
 
 bool linear_pairs_built() { return false; }
@@ -146,6 +213,11 @@ torch::Tensor pack_bf16_pairs(const torch::Tensor&) {
 torch::Tensor linear_bf16_pairs(const torch::Tensor&, const torch::Tensor&, int64_t,
                                 const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "linear_bf16_pairs: built without AVX512_BF16");
+}
+
+torch::Tensor gate_up_silu(const torch::Tensor&, const torch::Tensor&, int64_t,
+                           const c10::optional<torch::Tensor>&) {
+  TORCH_CHECK(false, "gate_up_silu: built without AVX512_BF16");
 }
 
 #endif
