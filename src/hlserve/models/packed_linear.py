@@ -1,5 +1,5 @@
-"""bf16 linear layers on the CPU: weights prepacked for oneDNN, or computed in fp32 where
-oneDNN has no bf16 kernels.
+"""bf16 linear layers on the CPU: weights packed for bf16 dot products (``linear_pairs.cpp``)
+or for oneDNN, or computed in fp32 where oneDNN has no bf16 kernels.
 
 A plain bf16 ``F.linear`` on the CPU reorders its weight into oneDNN's blocked layout on every
 call; at decode batch sizes that reorder streams the weight twice and halves the layer's
@@ -12,13 +12,18 @@ packed copy, since the embedding still needs the plain one).
 
 At the few rows of a decode step oneDNN's GEMM streams the weight well below what memory
 gives (24 GB/s at 8 rows, 18 at 16, on a 2-core Zen 4), and a decode step is bound by that
-stream. So up to :data:`SMALL_ROWS` rows a :class:`PackedLinear` runs ``linear_pairs.cpp``
-over a second copy of its weight in that kernel's layout (``cpu_kernels.pairs_linear_ops``,
-AVX512_BF16 only): 1.1-1.7x faster at 1-16 rows (``benchmarks/decode_linears.py``). Its
-output is the bf16 linear's but for fp32 summation order, as :class:`WideLinear`'s is. The
-copy doubles the linears' memory; ``HLSERVE_CPU_SMALL_GEMM=0`` leaves it out (oneDNN at every
-row count), and it is left out by itself where it would take more than a quarter of the
-memory available when the model loads.
+stream. So a :class:`PackedLinear` runs ``linear_pairs.cpp`` over a copy of its weight in that
+kernel's layout (``cpu_kernels.pairs_linear_ops``, AVX512_BF16 only): 1.1-1.7x faster at 1-32
+rows, and 1.00-1.07x at 64-2,048 (``benchmarks/decode_linears.py``). Its output is the bf16
+linear's but for fp32 summation order, as :class:`WideLinear`'s is. Where the CPU has no AMX
+the kernel takes every row count and oneDNN's copy is not made; an MLP's merged gate/up
+projection then writes SiLU x up from the kernel's epilogue (:meth:`PackedLinear.silu_mul`,
+the unfused result to the bit), which made the MLP of a 1,024-row prompt 1.09-1.14x faster
+than oneDNN's GEMM and the separate activation pass. Where the CPU has AMX, oneDNN's AMX GEMM
+serves calls past :data:`SMALL_ROWS` rows and the kernel's copy is a second one, doubling the
+linears' memory: it is left out by itself where it would take more than a quarter of the
+memory available when the model loads. ``HLSERVE_CPU_SMALL_GEMM=0`` leaves the kernel out
+(oneDNN at every row count).
 
 Where oneDNN has no bf16 kernels (an x86 CPU without AVX512_BF16 or AMX, e.g. AVX2 only),
 a bf16 ``F.linear`` falls to a generic loop that runs about 6x slower than fp32's GEMM on the
