@@ -10,6 +10,11 @@ and the kernel's speedup (median of the pairs' ratios, with their range).
 
     python benchmarks/decode_linears.py
     python benchmarks/decode_linears.py --rows 8 16 --rounds 6
+    python benchmarks/decode_linears.py --mlp --rows 7 128 1024   # the MLPs alone
+
+``--mlp`` times each layer's MLP instead, as the model runs it: oneDNN's gate/up GEMM, the
+fused ``silu_mul`` op over its output and oneDNN's down GEMM, against the kernel's gate/up
+GEMM with SiLU x up in its epilogue (``gate_up_silu``) and the kernel's down GEMM.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from hlserve.models.cpu_kernels import pairs_linear_ops
+from hlserve.models.cpu_kernels import fused_ops, gate_up_silu_op, pairs_linear_ops
 
 HIDDEN, INTER, QKV = 896, 4864, 1152  # Qwen2.5-0.5B: q 896 + k 128 + v 128
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -51,6 +56,33 @@ def passes(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[], None]]:
     return {"oneDNN": run_dnn, "kernel": run_kernel}
 
 
+def mlp_weights(layers: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+            for _ in range(layers) for n, k in [(2 * INTER, HIDDEN), (HIDDEN, INTER)]]
+
+
+def mlp_passes(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[], None]]:
+    pack_dnn, lin_dnn = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+    pack, linear = pairs_linear_ops()
+    silu_mul, gate_up_silu = fused_ops().silu_mul, gate_up_silu_op()  # type: ignore[union-attr]
+    dnn = [pack_dnn(w, 16) for w in ws]
+    # gate/up with its 16-row blocks of gate and up alternating, as PackedLinear packs it
+    mine = [pack(w.view(2, INTER // 16, 16, HIDDEN).transpose(0, 1).reshape(-1, HIDDEN))
+            if i % 2 == 0 else pack(w) for i, w in enumerate(ws)]
+    x = torch.randn(rows, HIDDEN).to(torch.bfloat16)
+
+    def run_dnn() -> None:
+        for gate_up, down in zip(dnn[::2], dnn[1::2], strict=True):
+            y = lin_dnn(x, gate_up, None, "none", [], "")
+            lin_dnn(silu_mul(y[:, :INTER], y[:, INTER:]), down, None, "none", [], "")
+
+    def run_kernel() -> None:
+        for gate_up, down in zip(mine[::2], mine[1::2], strict=True):
+            linear(gate_up_silu(x, gate_up, INTER, None), down, HIDDEN, None)
+    return {"oneDNN": run_dnn, "kernel": run_kernel}
+
+
 def timed(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
@@ -63,18 +95,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--mlp", action="store_true",
+                    help="the MLPs alone: oneDNN + silu_mul against the fused kernel")
     args = ap.parse_args()
     if pairs_linear_ops() is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise SystemExit("needs AVX512_BF16 (the kernel) and oneDNN's bf16 GEMM")
-    ws = weights(args.layers, args.vocab)
+    ws = mlp_weights(args.layers) if args.mlp else weights(args.layers, args.vocab)
+    make = mlp_passes if args.mlp else passes
     gb = sum(w.numel() * 2 for w in ws) / 1e9
-    print(f"{args.layers} layers + vocabulary {args.vocab}: {gb:.3f} GB of bf16 weights per "
+    what = "MLPs" if args.mlp else f"layers + vocabulary {args.vocab}"
+    print(f"{args.layers} {what}: {gb:.3f} GB of bf16 weights per "
           f"pass; {torch.get_num_threads()} threads; median of {args.rounds} A B B A rounds")
     print("| rows | oneDNN ms (GB/s) | kernel ms (GB/s) | kernel speedup (pairs) |\n"
           "|---:|---:|---:|---|")
     with torch.inference_mode():
         for rows in args.rows:
-            ways = passes(ws, rows)
+            ways = make(ws, rows)
             for fn in ways.values():  # warm-up
                 fn()
             t: dict[str, list[float]] = {k: [] for k in ways}

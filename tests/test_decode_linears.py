@@ -191,10 +191,18 @@ def test_the_runner_copies_weights_for_the_kernel_unless_told_not_to(tiny_model_
 
 @needs_pairs
 def test_decode_linears_benchmark_runs_its_table(capsys, monkeypatch) -> None:
-    """benchmarks/decode_linears.py on two small layers, one row count, one round."""
+    """benchmarks/decode_linears.py on two layers, one row count, one round: the linears, then
+    the MLPs alone (``--mlp``)."""
     bench = load_benchmark("decode_linears")
     monkeypatch.setattr("sys.argv", ["decode_linears.py", "--rows", "4", "--rounds", "1",
                                      "--layers", "2", "--vocab", "1024"])
     bench.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 ")]
+    assert len(rows) == 1 and rows[0].count("|") == 5, rows
+    monkeypatch.setattr("sys.argv", ["decode_linears.py", "--mlp", "--rows", "4", "--rounds",
+                                     "1", "--layers", "2"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "2 MLPs" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 4 ")]
     assert len(rows) == 1 and rows[0].count("|") == 5, rows
