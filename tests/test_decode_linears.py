@@ -40,6 +40,16 @@ def test_pairs_kernel_gives_the_bf16_linear(rows: int, k: int, n: int, bias: boo
     assert_bf16_linear(got, want, x, w)
 
 
+def _counting_pairs(calls: list[int]):
+    """The kernel's (pack, linear), the linear noting each call's row count in ``calls``."""
+    pack, linear = pairs_linear_ops()
+
+    def counting(x, packed, n, bias):
+        calls.append(x.shape[0])
+        return linear(x, packed, n, bias)
+    return pack, counting
+
+
 def _interleaved(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     return w.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
@@ -96,13 +106,8 @@ def test_the_kernel_takes_every_row_count_unless_the_cpu_has_amx(monkeypatch) ->
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     assert packed_linear.pairs_rows() == ALL_ROWS
     lin = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
-    pack, linear = pairs_linear_ops()
-    calls = []
-
-    def counting(x, packed, n, bias):
-        calls.append(x.shape[0])
-        return linear(x, packed, n, bias)
-    layer = PackedLinear(lin, pairs=(pack, counting), max_pairs_rows=ALL_ROWS)
+    calls: list[int] = []
+    layer = PackedLinear(lin, pairs=_counting_pairs(calls), max_pairs_rows=ALL_ROWS)
     assert layer.packed_weight is None  # no oneDNN copy: the kernel's replaces it
     with torch.inference_mode():
         for rows in [1, 17, 1500]:
@@ -126,13 +131,8 @@ def test_pairs_kernel_checks_its_arguments() -> None:
 @needs_pairs
 def test_packed_linear_takes_the_kernel_up_to_small_rows_and_onednn_past_them() -> None:
     lin = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
-    pack, linear = pairs_linear_ops()
-    calls = []
-
-    def counting(x, packed, n, bias):
-        calls.append(x.shape[0])
-        return linear(x, packed, n, bias)
-    layer = PackedLinear(lin, pairs=(pack, counting))
+    calls: list[int] = []
+    layer = PackedLinear(lin, pairs=_counting_pairs(calls))
     plain = PackedLinear(lin)
     with torch.inference_mode():
         for shape in [(1, 256), (2, 3, 256), (SMALL_ROWS, 256), (SMALL_ROWS + 1, 256)]:

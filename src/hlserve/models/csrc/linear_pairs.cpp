@@ -146,12 +146,25 @@ torch::Tensor pack_bf16_pairs(const torch::Tensor& w) {
   return out;
 }
 
-torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                const c10::optional<torch::Tensor>& bias) {
+namespace {
+
+// x as contiguous rows, once x and the packed weight are checked for the kernel named `name`
+torch::Tensor checked_rows(const torch::Tensor& x, const torch::Tensor& packed, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "linear_bf16_pairs: bf16 x [M, K] and a weight from pack_bf16_pairs");
-  const torch::Tensor xc = x.contiguous();
+              name, ": bf16 x [M, K] and a weight from pack_bf16_pairs");
+  return x.contiguous();
+}
+
+const uint32_t* words(const torch::Tensor& t) {  // a bf16 tensor as pairs of values
+  return reinterpret_cast<const uint32_t*>(t.data_ptr<at::BFloat16>());
+}
+
+}  // namespace
+
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const c10::optional<torch::Tensor>& bias) {
+  const torch::Tensor xc = checked_rows(x, packed, "linear_bf16_pairs");
   const int64_t M = xc.size(0), KP = packed.size(1), NBk = packed.size(0);
   TORCH_CHECK(xc.size(1) == 2 * KP && n > (NBk - 1) * kCols && n <= NBk * kCols,
               "linear_bf16_pairs: x's K or n does not match the packed weight");
@@ -162,8 +175,7 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pac
     b32 = torch::zeros({NBk * kCols}, xc.options().dtype(torch::kFloat32));
     b32.narrow(0, 0, n).copy_(*bias);
   }
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const uint32_t *xp = words(xc), *w = words(packed);
   const Out o{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n,
               b32.defined() ? b32.data_ptr<float>() : nullptr};
   if (M == 0) return y;
@@ -177,10 +189,7 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pac
 
 torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, int64_t inter,
                            const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "gate_up_silu: bf16 x [M, K] and a weight from pack_bf16_pairs");
-  const torch::Tensor xc = x.contiguous();
+  const torch::Tensor xc = checked_rows(x, packed, "gate_up_silu");
   const int64_t M = xc.size(0), KP = packed.size(1), NBk = packed.size(0);
   TORCH_CHECK(inter % kCols == 0 && NBk * kCols == 2 * inter && xc.size(1) == 2 * KP,
               "gate_up_silu: x's K or the intermediate size (a multiple of 16) does not match "
@@ -191,8 +200,7 @@ torch::Tensor gate_up_silu(const torch::Tensor& x, const torch::Tensor& packed, 
     TORCH_CHECK(bias->numel() == 2 * inter, "gate_up_silu: bias of 2 x inter elements");
     b32 = bias->to(torch::kFloat32).view({2, inter / kCols, kCols}).transpose(0, 1).contiguous();
   }
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const uint32_t *xp = words(xc), *w = words(packed);
   const Out o{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), inter,
               b32.defined() ? b32.data_ptr<float>() : nullptr};
   if (M == 0) return y;
