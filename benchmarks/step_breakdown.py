@@ -5,7 +5,8 @@ batch built as the scheduler builds it (page tables over a shuffled pool, so no 
 pages are contiguous), and wall-clock timers on the parts of ``execute``:
 
 - ``attention``: the paged attention call of every layer (KV gather, scores, softmax, values);
-- ``linear``: every projection (qkv, o, gate_up, down: the runner merges q/k/v and gate/up);
+- ``linear``: every projection (qkv, o, gate_up, down: the runner merges q/k/v and gate/up;
+  where gate_up computes SiLU x up in its epilogue, that is counted here too);
 - ``lm_head``: the vocabulary projection of the rows that sample;
 - ``other model``: embedding, norms, RoPE, activation, KV write, residual adds;
 - ``host``: what ``execute`` spends outside the model (batch to tensors, sampling, results).
@@ -79,6 +80,8 @@ def instrument(runner: TorchRunner, timers: Timers) -> None:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj):
             lin.forward = wrap(lin.forward, "linear")
+            if getattr(lin, "fuses_silu_mul", False):  # gate/up with SiLU x up in its epilogue
+                lin.silu_mul = wrap(lin.silu_mul, "linear")
     model.lm_head.forward = wrap(model.lm_head.forward, "lm_head")
     llama.paged_attention = wrap(llama.paged_attention, "attention")
     fwd = model.forward
