@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from hlserve.models.cpu_kernels import fused_ops, gate_up_silu_op, pairs_linear_ops
+from hlserve.models.packed_linear import interleave_gate_up
 
 HIDDEN, INTER, QKV = 896, 4864, 1152  # Qwen2.5-0.5B: q 896 + k 128 + v 128
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -68,8 +69,7 @@ def mlp_passes(ws: list[torch.Tensor], rows: int) -> dict[str, Callable[[], None
     silu_mul, gate_up_silu = fused_ops().silu_mul, gate_up_silu_op()  # type: ignore[union-attr]
     dnn = [pack_dnn(w, 16) for w in ws]
     # gate/up with its 16-row blocks of gate and up alternating, as PackedLinear packs it
-    mine = [pack(w.view(2, INTER // 16, 16, HIDDEN).transpose(0, 1).reshape(-1, HIDDEN))
-            if i % 2 == 0 else pack(w) for i, w in enumerate(ws)]
+    mine = [pack(interleave_gate_up(w) if i % 2 == 0 else w) for i, w in enumerate(ws)]
     x = torch.randn(rows, HIDDEN).to(torch.bfloat16)
 
     def run_dnn() -> None:

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from hlserve import LLM, SamplingParams
 from hlserve.models import fused, packed_linear
 from hlserve.models.cpu_kernels import gate_up_silu_op, pairs_linear_ops
-from hlserve.models.packed_linear import ALL_ROWS, SMALL_ROWS, PackedLinear, can_prepack
+from hlserve.models.packed_linear import (
+    ALL_ROWS,
+    SMALL_ROWS,
+    PackedLinear,
+    can_prepack,
+    interleave_gate_up,
+)
 from support import assert_bf16_linear, load_benchmark
 
 needs_pairs = pytest.mark.skipif(
@@ -50,11 +56,6 @@ def _counting_pairs(calls: list[int]):
     return pack, counting
 
 
-def _interleaved(w: torch.Tensor) -> torch.Tensor:
-    n, k = w.shape
-    return w.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
-
-
 @needs_pairs
 @pytest.mark.parametrize("rows", [1, 5, 7, 8, 9, 16, 17, 33, 300])
 @pytest.mark.parametrize("k,inter", [(896, 4864), (100, 48), (64, 16)])
@@ -72,7 +73,7 @@ def test_gate_up_silu_is_the_unfused_result_to_the_bit(rows: int, k: int, inter:
     with torch.inference_mode():
         gate_up = linear(x, pack(w), 2 * inter, b)
         want = fused.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
-        got = op(x, pack(_interleaved(w)), inter, b)
+        got = op(x, pack(interleave_gate_up(w)), inter, b)
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         op(x, pack(w[: 2 * inter - 16]), inter, None)

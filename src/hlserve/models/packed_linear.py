@@ -133,9 +133,9 @@ class PackedLinear(nn.Module):
             self.pairs_rows = max_pairs_rows
             if gate_up_silu is not None and self.out_features % 32 == 0:
                 self.gate_up_op = gate_up_silu
-                weight = _interleave_halves(weight)
+                weight = interleave_gate_up(weight)
                 if bias is not None:
-                    bias = _interleave_halves(bias[:, None])[:, 0]
+                    bias = interleave_gate_up(bias[:, None])[:, 0]
             self.register_buffer("pairs_weight", pack(weight), persistent=False)
         # the bias in the pairs copy's column order
         self.register_buffer("pairs_bias", bias, persistent=False)
@@ -167,8 +167,9 @@ class PackedLinear(nn.Module):
         return fused.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
 
 
-def _interleave_halves(weight: torch.Tensor) -> torch.Tensor:
-    """[gate; up] rows -> 16 gate rows, the same 16 up rows, the next 16 gate rows, ..."""
+def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows -> 16 gate rows, the same 16 up rows, the next 16 gate rows, ...: the
+    order ``cpu_kernels.gate_up_silu_op()`` reads a packed gate/up weight in."""
     n, k = weight.shape
     return weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
 
@@ -224,18 +225,17 @@ def _available_bytes() -> int | None:
     return None
 
 
-def small_gemm_ops(model: nn.Module, max_rows: int | None = None) -> PairsOps | None:
-    """The decode-size kernel's ops for ``model``'s linears, or None where it is off
-    (``HLSERVE_CPU_SMALL_GEMM=0``) or not built, or where it serves only up to
-    ``max_rows`` (default :func:`pairs_rows`) < ``ALL_ROWS`` rows beside oneDNN's copy and its
-    own copy (the weights' size again) would take more than a quarter of the memory
-    available now. Serving every row count, it replaces oneDNN's copy and costs nothing."""
+def small_gemm_ops(model: nn.Module, rows: int) -> PairsOps | None:
+    """The kernel's ops for ``model``'s linears, or None where it is off
+    (``HLSERVE_CPU_SMALL_GEMM=0``) or not built, or where it serves only up to ``rows`` <
+    ``ALL_ROWS`` rows (:func:`pairs_rows`) beside oneDNN's copy and its own copy (the
+    weights' size again) would take more than a quarter of the memory available now.
+    Serving every row count, it replaces oneDNN's copy and costs nothing."""
     if os.environ.get("HLSERVE_CPU_SMALL_GEMM", "1") == "0":
         return None
     ops = pairs_linear_ops()
     if ops is None:
         return None
-    rows = pairs_rows() if max_rows is None else max_rows
     extra = sum(m.weight.numel() * m.weight.element_size()
                 for m in model.modules() if isinstance(m, nn.Linear))
     available = _available_bytes()

@@ -1,5 +1,5 @@
 // Vector math shared by the kernels: 16 lanes for the AVX512_BF16 ones (the prefill attention
-// kernels, fused_ops.cpp), 8 lanes for the AVX2 paths (decode_attention.cpp, linear_bf16.cpp).
+// kernels, fused_ops.cpp, linear_pairs.cpp), 8 lanes for the AVX2 paths (decode_attention.cpp, linear_bf16.cpp).
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -39,6 +39,21 @@ inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
   return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)), n);
+}
+
+// v rounded to bf16 (nearest even) and back to fp32: the value a bf16 tensor would hold
+inline __m512 round_bf16(__m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
+}
+
+// silu(g) * u for bf16 values g and u, with silu(g) rounded to bf16 as PyTorch's bf16 F.silu
+// is (the caller rounds the product): fused_ops.cpp's silu_mul and linear_pairs.cpp's gate/up
+// epilogue both use it, so the fused GEMM gives the unfused result to the bit
+inline __m512 silu_mul_ps(__m512 g, __m512 u) {
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), u);
 }
 
 }  // namespace hlserve_avx

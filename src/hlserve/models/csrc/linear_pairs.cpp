@@ -47,12 +47,6 @@ struct Out {
 // and its up block) store bf16(bf16(silu(gate)) * up) in the gate block's columns / 2.
 enum class Epi { kStore, kSiluMul };
 
-inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 (nearest even) and back
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
-}
-
 inline __mmask16 first_lanes(int64_t left) {
   return left >= kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
@@ -79,15 +73,13 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
   if constexpr (E == Epi::kSiluMul) {
     static_assert(NB == 2, "a gate block and its up block");
     // the GEMM's bf16 outputs, then silu_mul's arithmetic on them (fused_ops.cpp)
+    using hlserve_avx::round_bf16;
     const int64_t col = b / 2 * kCols;
     const __mmask16 mask = first_lanes(N / 2 - col);
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int m = 0; m < R; ++m) {
       const __m512 g = round_bf16(_mm512_add_ps(acc[m][0], bias[0]));
       const __m512 u = round_bf16(_mm512_add_ps(acc[m][1], bias[1]));
-      const __m512 s = round_bf16(_mm512_div_ps(
-          g, _mm512_add_ps(one, hlserve_avx::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(s, u));
+      const __m256bh v = _mm512_cvtneps_pbh(hlserve_avx::silu_mul_ps(g, u));
       _mm256_mask_storeu_epi16(o.y + m * o.ldy + col, mask, reinterpret_cast<const __m256i&>(v));
     }
   } else {
