@@ -2,11 +2,18 @@
 
 The peak is what the core's AVX512_BF16 instruction delivers with nothing else in the loop:
 16 independent ``vdpbf16ps`` (16 lanes x 2 bf16 products, 64 FLOP each) per iteration on
-registers, in as many threads as torch uses, each thread timed on its own. The GEMM is
-``torch.nn.functional.linear`` in bf16 at the peers model's MLP shape ([rows, 896] x
-[896, 4864]) and its attention output shape ([rows, 896] x [896, 896]), which oneDNN runs on
-these hosts. Printed: GFLOP/s of each and the GEMM's share of the peak, the median of
-``--repeats`` rounds (peak and GEMMs alternate, A B B A) with their range.
+registers, in as many threads as torch uses, each thread timed on its own. Beside it, at the
+peers model's shapes (the MLP's [rows, 896] x [896, 4864], its down projection
+[rows, 4864] x [4864, 896] and the attention output's [rows, 896] x [896, 896]):
+
+- ``GEMM``: ``torch.nn.functional.linear`` in bf16, which oneDNN runs, reordering the weight
+  on every call (so it understates a prepacked GEMM at small row counts);
+- ``engine``: the projection as the runner builds it (``packed_linear.prepack_linears``: the
+  ``linear_pairs.cpp`` kernel where the CPU has no AMX, oneDNN's prepacked GEMM past 16 rows
+  where it has).
+
+Printed: GFLOP/s of each and its share of the peak, the median of ``--repeats`` rounds (all
+cases alternate, A B B A) with their range.
 
     python benchmarks/bf16_peak.py
     python benchmarks/bf16_peak.py --rows 512 2048 --repeats 5
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils import cpp_extension
@@ -88,6 +96,26 @@ def gemm_gflops(rows: int, out_features: int, calls: int = 10) -> float:
     return 2 * rows * 896 * out_features * calls / (time.perf_counter() - t0) / 1e9
 
 
+def engine_gflops(rows: int, in_features: int, out_features: int, calls: int = 10
+                  ) -> Callable[[], float]:
+    """A timer of the projection as the runner builds it, the weight packed once."""
+    from hlserve.models.packed_linear import prepack_linears
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16))
+    prepack_linears(model)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+
+    def run() -> float:
+        for _ in range(2):
+            model(x)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            model(x)
+        return 2 * rows * in_features * out_features * calls / (time.perf_counter() - t0) / 1e9
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048])
@@ -99,6 +127,8 @@ def main() -> None:
     for rows in args.rows:
         for n, what in ((4864, "MLP"), (896, "o_proj")):
             cases[f"GEMM {what} {rows} x 896 x {n}"] = lambda r=rows, n=n: gemm_gflops(r, n)
+        for k, n, what in ((896, 4864, "MLP"), (4864, 896, "down"), (896, 896, "o_proj")):
+            cases[f"engine {what} {rows} x {k} x {n}"] = engine_gflops(rows, k, n)
     rates: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for r in range(args.repeats):
@@ -107,10 +137,10 @@ def main() -> None:
             rates[name].append(cases[name]())
     top = statistics.median(rates["peak"])
     print(f"{threads} threads; median of {2 * args.repeats} runs (range)")
-    print(f"{'case':>28} | GFLOP/s | range | share of peak")
+    print(f"{'case':>30} | GFLOP/s | range | share of peak")
     for name, rs in rates.items():
         med = statistics.median(rs)
-        print(f"{name:>28} | {med:7.1f} | {min(rs):.1f}-{max(rs):.1f} | {med / top:6.1%}")
+        print(f"{name:>30} | {med:7.1f} | {min(rs):.1f}-{max(rs):.1f} | {med / top:6.1%}")
 
 
 if __name__ == "__main__":
