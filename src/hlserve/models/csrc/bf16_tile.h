@@ -65,17 +65,28 @@ inline void key_offsets(const int64_t* table, int64_t S, int64_t D, int64_t l0, 
 // [16-key group][D/2 pairs of dims][16 keys] (16 scores of a row are one vector), values as
 // [KT/2 pairs of keys][D dims x the two keys] (two keys' values interleaved, weighted by one
 // broadcast pair of softmax weights). Keys past the tile's end are zeros.
+//
+// `load` also asks for the next tile's rows (into L2, as prefetch_keys does), a 16-key group's
+// keys before that group's transpose and a key pair's values before that pair's interleave,
+// so the requests go out spread over the repack. Issued all at once after it
+// (prefetch_keys), 256 prefetches at head_dim 64 held the loop: perf put 47% of the kernel's
+// own samples on that prefetch loop in a decode step, and spread out a decode step's attention
+// took ~10% less time (7 decodes over 500-1,600 keys, docs/bench.md).
 template <int D, int KT>
 struct Tile {
   static_assert(D % 32 == 0 && KT % 16 == 0, "whole 16 x 16 word blocks");
   alignas(64) uint32_t kt[KT / 16][D / 2][16];
   alignas(64) uint16_t vp[KT / 2][D * 2];
 
-  // the tile's first nk keys at element offsets off (key_offsets) of the pools' heads
-  void load(const uint16_t* kbase, const uint16_t* vbase, const int64_t* off, int nk) {
+  // the tile's first nk keys at element offsets off (key_offsets) of the pools' heads; the
+  // next tile's first next_n keys (offsets next_off) are prefetched on the way
+  void load(const uint16_t* kbase, const uint16_t* vbase, const int64_t* off, int nk,
+            const int64_t* next_off = nullptr, int next_n = 0) {
     const __m512i idx = interleave_index();
     // keys: each 16 x 16 block of (key, dimension pair) words is transposed in registers
     for (int grp = 0; grp < KT / 16; ++grp) {
+      for (int j = 16 * grp; j < std::min(16 * grp + 16, next_n); ++j)
+        prefetch_row(kbase + next_off[j]);
       const uint16_t* rows[16];
       for (int j = 0; j < 16; ++j)
         rows[j] = 16 * grp + j < nk ? kbase + off[16 * grp + j] : nullptr;
@@ -88,6 +99,7 @@ struct Tile {
       }
     }
     for (int j = 0; j < KT / 2; ++j) {
+      for (int i = 2 * j; i < std::min(2 * j + 2, next_n); ++i) prefetch_row(vbase + next_off[i]);
       const uint16_t* a = 2 * j < nk ? vbase + off[2 * j] : nullptr;
       const uint16_t* b = 2 * j + 1 < nk ? vbase + off[2 * j + 1] : nullptr;
       for (int c = 0; c < D / 16; ++c) {
@@ -102,6 +114,11 @@ struct Tile {
     }
   }
 
+  static void prefetch_row(const uint16_t* row) {  // one key's or value's D elements, into L2
+    for (int b = 0; b < D * 2; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T1);
+  }
+
   static __m512i interleave_index() {  // lane 2i <- a[i], lane 2i + 1 <- b[i]
     alignas(64) uint16_t idx[32];
     for (int i = 0; i < 16; ++i) {
@@ -113,7 +130,8 @@ struct Tile {
 };
 
 // Ask for the next tile's key and value rows (n keys at offsets off) while this one is
-// computed: its pages are anywhere in the pool, so the hardware prefetcher cannot guess them.
+// computed, all at once (the row-pair kernel; the tiled one asks through Tile::load): its
+// pages are anywhere in the pool, so the hardware prefetcher cannot guess them.
 // Into L2 (T1), not L1: a tile is 256 lines at head_dim 64, and T0 requests for all of them
 // at once filled the core's few L1 miss slots, stalling the loop on its own prefetches. On
 // Zen 4 a decode step's attention (16 sequences, 1.4-3.8K keys) ran 1.3-1.6x faster with T1,

@@ -232,12 +232,9 @@ void attend_block(const PrefillArgs& a, const Block& b, int64_t G, std::vector<R
   key_offsets(b.table, a.S, D, 0, static_cast<int>(std::min<int64_t>(KT, keys)), off[0]);
   for (int64_t l0 = 0, i = 0; l0 < keys; l0 += KT, i ^= 1) {
     const int nk = static_cast<int>(std::min<int64_t>(KT, keys - l0));
-    tile.load(kbase, vbase, off[i], nk);
-    if (l0 + KT < keys) {
-      const int next = static_cast<int>(std::min<int64_t>(KT, keys - l0 - KT));
-      key_offsets(b.table, a.S, D, l0 + KT, next, off[i ^ 1]);
-      prefetch_keys<D>(kbase, vbase, off[i ^ 1], next);
-    }
+    const int next = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(KT, keys - l0 - KT)));
+    if (next > 0) key_offsets(b.table, a.S, D, l0 + KT, next, off[i ^ 1]);
+    tile.load(kbase, vbase, off[i], nk, off[i ^ 1], next);  // prefetching the next tile
     // rows before the first query at or past l0 see none of this tile
     for (int64_t r = std::max<int64_t>(0, l0 - before) * G; r < R;) {
       const int64_t left = R - r;  // split what is left into blocks of at most MR, evenly
