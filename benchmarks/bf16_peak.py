@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from torch.utils import cpp_extension
 
+from hlserve.models.packed_linear import prepack_linears
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <chrono>
@@ -85,35 +87,30 @@ def _peak_op():  # type: ignore[no-untyped-def]
     return module.peak_gflops
 
 
+def _gflops(call: Callable[[], object], flops: float, calls: int) -> float:
+    """GFLOP/s of ``calls`` calls of ``call`` (``flops`` each), after two warm-up calls."""
+    for _ in range(2):
+        call()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return flops * calls / (time.perf_counter() - t0) / 1e9
+
+
 def gemm_gflops(rows: int, out_features: int, calls: int = 10) -> float:
     x = torch.randn(rows, 896, dtype=torch.bfloat16)
     w = torch.randn(out_features, 896, dtype=torch.bfloat16)
-    for _ in range(2):
-        torch.nn.functional.linear(x, w)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        torch.nn.functional.linear(x, w)
-    return 2 * rows * 896 * out_features * calls / (time.perf_counter() - t0) / 1e9
+    return _gflops(lambda: torch.nn.functional.linear(x, w), 2 * rows * 896 * out_features, calls)
 
 
 def engine_gflops(rows: int, in_features: int, out_features: int, calls: int = 10
                   ) -> Callable[[], float]:
     """A timer of the projection as the runner builds it, the weight packed once."""
-    from hlserve.models.packed_linear import prepack_linears
-
     model = torch.nn.Sequential(
         torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16))
     prepack_linears(model)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-
-    def run() -> float:
-        for _ in range(2):
-            model(x)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            model(x)
-        return 2 * rows * in_features * out_features * calls / (time.perf_counter() - t0) / 1e9
-    return run
+    return lambda: _gflops(lambda: model(x), 2 * rows * in_features * out_features, calls)
 
 
 def main() -> None:

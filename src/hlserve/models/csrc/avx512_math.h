@@ -1,5 +1,6 @@
 // Vector math shared by the kernels: 16 lanes for the AVX512_BF16 ones (the prefill attention
-// kernels, fused_ops.cpp, linear_pairs.cpp), 8 lanes for the AVX2 paths (decode_attention.cpp, linear_bf16.cpp).
+// kernels, fused_ops.cpp, linear_pairs.cpp), 8 lanes for the AVX2 paths (decode_attention.cpp,
+// linear_bf16.cpp).
 #pragma once
 
 #if defined(__AVX512BF16__)

@@ -61,6 +61,13 @@ inline void key_offsets(const int64_t* table, int64_t S, int64_t D, int64_t l0, 
   }
 }
 
+// Ask for one key's or value's D elements, into L2 (T1: see prefetch_keys for why not L1).
+template <int D>
+inline void prefetch_row(const uint16_t* row) {
+  for (int b = 0; b < D * 2; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T1);
+}
+
 // One tile of KT keys and values repacked for the dot-product instructions: keys as
 // [16-key group][D/2 pairs of dims][16 keys] (16 scores of a row are one vector), values as
 // [KT/2 pairs of keys][D dims x the two keys] (two keys' values interleaved, weighted by one
@@ -86,7 +93,7 @@ struct Tile {
     // keys: each 16 x 16 block of (key, dimension pair) words is transposed in registers
     for (int grp = 0; grp < KT / 16; ++grp) {
       for (int j = 16 * grp; j < std::min(16 * grp + 16, next_n); ++j)
-        prefetch_row(kbase + next_off[j]);
+        prefetch_row<D>(kbase + next_off[j]);
       const uint16_t* rows[16];
       for (int j = 0; j < 16; ++j)
         rows[j] = 16 * grp + j < nk ? kbase + off[16 * grp + j] : nullptr;
@@ -99,7 +106,8 @@ struct Tile {
       }
     }
     for (int j = 0; j < KT / 2; ++j) {
-      for (int i = 2 * j; i < std::min(2 * j + 2, next_n); ++i) prefetch_row(vbase + next_off[i]);
+      for (int i = 2 * j; i < std::min(2 * j + 2, next_n); ++i)
+        prefetch_row<D>(vbase + next_off[i]);
       const uint16_t* a = 2 * j < nk ? vbase + off[2 * j] : nullptr;
       const uint16_t* b = 2 * j + 1 < nk ? vbase + off[2 * j + 1] : nullptr;
       for (int c = 0; c < D / 16; ++c) {
@@ -112,11 +120,6 @@ struct Tile {
         _mm512_store_si512(vp[j] + 32 * c, _mm512_permutex2var_epi16(va, idx, vb));
       }
     }
-  }
-
-  static void prefetch_row(const uint16_t* row) {  // one key's or value's D elements, into L2
-    for (int b = 0; b < D * 2; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T1);
   }
 
   static __m512i interleave_index() {  // lane 2i <- a[i], lane 2i + 1 <- b[i]
@@ -139,11 +142,10 @@ struct Tile {
 template <int D>
 inline void prefetch_keys(const uint16_t* kbase, const uint16_t* vbase, const int64_t* off,
                           int n) {
-  for (int i = 0; i < n; ++i)
-    for (int b = 0; b < D * 2; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(kbase + off[i]) + b, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(vbase + off[i]) + b, _MM_HINT_T1);
-    }
+  for (int i = 0; i < n; ++i) {
+    prefetch_row<D>(kbase + off[i]);
+    prefetch_row<D>(vbase + off[i]);
+  }
 }
 
 // The raw arguments of one prefill call, checked (see prefill_attention.cpp for the layout).
