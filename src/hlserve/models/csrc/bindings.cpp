@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_pairs_built", &linear_pairs_built,
         "whether linear_bf16_pairs was compiled (the CPU has AVX512_BF16)");
   m.def("pack_bf16_pairs", &pack_bf16_pairs, nogil(),
-        "a bf16 weight [N, K] as [N/16, K/2, 16, 2]");
+        "a bf16 weight [N, K] as [N/16, K/2, 16, 2], each two blocks interleaved by pair of k");
   m.def("linear_bf16_pairs", &linear_bf16_pairs, nogil(),
         "x W^T + b over a weight from pack_bf16_pairs (bf16, AVX512_BF16)");
   m.def("gate_up_silu", &gate_up_silu, nogil(),

@@ -3,12 +3,21 @@
 //
 // A decode step's linears are bound by reading the weights, and oneDNN's bf16 GEMM streams
 // them at 24 GB/s at 8 rows and 18 GB/s at 16 on a 2-core Zen 4 whose memory gives more
-// (benchmarks/decode_linears.py). Here W is stored as [N/16 column blocks][K/2 pairs of
-// k][16 columns][2]: one 64-byte load is 16 columns x one pair of k, which vdpbf16ps
+// (benchmarks/decode_linears.py). Here W is stored as [N/32 pairs of column blocks][K/2 pairs
+// of k][2 blocks][16 columns][2] (an odd last block alone, [K/2][16][2]): one 64-byte load is
+// 16 columns x one pair of k, which vdpbf16ps
 // multiplies by a broadcast pair of one row of x and adds into 16 fp32 sums. A task takes
 // two column blocks (32 columns) and walks all of K once per group of up to 8 rows (the last
 // group a tile of its own size), the blocks' weights read from memory for the first group
-// and from L2 for the others; 8 rows x 2 blocks are 16 accumulators. The sums are fp32,
+// and from L2 for the others; 8 rows x 2 blocks are 16 accumulators.
+//
+// The two blocks of a task lie interleaved by pair of k, so that a thread reads its weights
+// as one sequential stream, and its first row group prefetches that stream kPrefetch bytes
+// ahead into L2. At 7 rows the two blocks stored one after the other (two streams 28 KB
+// apart) and no software prefetch streamed 30-37 GB/s on a 2-core Zen 4, the interleaved
+// stream alone 33, and with the prefetch 34-51, 1.13-1.35x, as fast as one row
+// (benchmarks/decode_linears.py; docs/bench.md). The prefetch is the hardware prefetcher's
+// work, which falls behind when 7 rows of dot products slow the demand loads. The sums are fp32,
 // rounded once to bf16 (nearest even, after the bias), as PyTorch's bf16 linear does: the
 // result differs from it only by fp32 summation order. Threads split the column blocks.
 //
@@ -33,6 +42,9 @@ namespace {
 
 constexpr int64_t kCols = 16;  // columns per block: one vector of fp32 sums
 constexpr int kRows = 8;       // rows per register block: 8 x 2 blocks = 16 accumulators
+// how far ahead the first row group prefetches its weights into L2: 2-4 KB was no faster
+// than none, 8-12 KB slower than 6 KB (at 7 rows, 2 threads, Zen 4)
+constexpr int64_t kPrefetch = 6144;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
@@ -51,8 +63,10 @@ inline __mmask16 first_lanes(int64_t left) {
   return left >= kCols ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// rows m0..m0+R-1 of x against NB column blocks starting at block b (KP pairs of k each)
-template <int R, int NB, Epi E>
+// rows m0..m0+R-1 of x against NB column blocks starting at block b (KP pairs of k each),
+// their weights interleaved by pair of k (NB x 16 columns per pair); the first row group
+// (kFetch) prefetches the stream ahead
+template <int R, int NB, Epi E, bool kFetch>
 inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
                  const Out& o) {
   __m512 acc[R][NB];
@@ -60,8 +74,13 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const uint32_t* wb = w + b * KP * kCols;
   for (int64_t kp = 0; kp < KP; ++kp) {
+    const uint32_t* wk = wb + kp * NB * kCols;
+    if constexpr (kFetch) {  // past the weight's end it is harmless: a prefetch never faults
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + j * kCols) + kPrefetch, _MM_HINT_T1);
+    }
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_load_si512(wb + (j * KP + kp) * kCols);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_load_si512(wk + j * kCols);
     for (int m = 0; m < R; ++m) {
       const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int>(x[m * KP + kp])));
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, as_bh(wv[j]));
@@ -98,22 +117,26 @@ inline void tile(const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b, in
 // rows (1..R) of x against NB column blocks as one tile of exactly that many rows: a
 // batch's rows past its 8-row groups walk K once, where split 4 + 2 + 1 they walked it up to
 // three times, each walk bound by its loads' latency (5-7 rows ran at oneDNN's speed)
-template <int NB, Epi E, int R = kRows>
+template <int NB, Epi E, bool kFetch, int R = kRows>
 inline void tile_of(int64_t rows, const uint32_t* x, int64_t KP, const uint32_t* w, int64_t b,
                     int64_t N, const Out& o) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_of<NB, E, R - 1>(rows, x, KP, w, b, N, o);
+    if (rows < R) return tile_of<NB, E, kFetch, R - 1>(rows, x, KP, w, b, N, o);
   }
-  tile<R, NB, E>(x, KP, w, b, N, o);
+  tile<R, NB, E, kFetch>(x, KP, w, b, N, o);
 }
 
 // every row of x (M rows) against NB column blocks from block b, in groups of up to kRows
 template <int NB, Epi E = Epi::kStore>
 void blocks(const uint32_t* x, int64_t M, int64_t KP, const uint32_t* w, int64_t b, int64_t N,
             const Out& o) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {  // later groups find the weights in L2
     const Out om{o.y + m0 * o.ldy, o.ldy, o.bias};
-    tile_of<NB, E>(std::min<int64_t>(kRows, M - m0), x + m0 * KP, KP, w, b, N, om);
+    const int64_t rows = std::min<int64_t>(kRows, M - m0);
+    if (m0 == 0)
+      tile_of<NB, E, true>(rows, x, KP, w, b, N, om);
+    else
+      tile_of<NB, E, false>(rows, x + m0 * KP, KP, w, b, N, om);
   }
 }
 
@@ -126,14 +149,20 @@ torch::Tensor pack_bf16_pairs(const torch::Tensor& w) {
               "pack_bf16_pairs: a bf16 weight [N, K] with K even");
   const torch::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), NBk = (N + kCols - 1) / kCols;
+  // sized [N/16, K/2, 16, 2], laid out as the header says (pairs of blocks interleaved)
   torch::Tensor out = torch::zeros({NBk, K / 2, kCols, 2}, wc.options());
   const uint32_t* s = reinterpret_cast<const uint32_t*>(wc.data_ptr<at::BFloat16>());
   uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t KP = K / 2;
   at::parallel_for(0, NBk, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
+    for (int64_t b = b0; b < b1; ++b) {
+      // block b is the (b % 2)th of its pair, interleaved with the other by pair of k; an odd
+      // last block is a pair's first with no second
+      const int64_t nb = (b / 2 * 2 + 1 < NBk) ? 2 : 1;
+      uint32_t* db = d + (b / 2 * 2 * KP) * kCols + (b % 2) * kCols;
       for (int64_t c = 0; c < kCols && b * kCols + c < N; ++c)
-        for (int64_t kp = 0; kp < K / 2; ++kp)
-          d[(b * (K / 2) + kp) * kCols + c] = s[(b * kCols + c) * (K / 2) + kp];
+        for (int64_t kp = 0; kp < KP; ++kp) db[kp * nb * kCols + c] = s[(b * kCols + c) * KP + kp];
+    }
   });
   return out;
 }
