@@ -34,10 +34,10 @@ from hlserve.models import cpu_kernels
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:
-    """The decode op (``kernel`` "decode") or the prefill kernel called on decodes
-    ("prefill") compiled from ``rev``'s kernel sources (its own module name and build
-    directory, so it loads beside this checkout's)."""
+def kernels_at(rev: str) -> object:
+    """This project's CPU kernel module compiled from ``rev``'s kernel sources: a git revision,
+    or a directory holding the files being tried (this checkout's for the others). It has its
+    own module name and build directory, so it loads beside this checkout's build."""
     from torch.utils import cpp_extension
 
     src = Path(tempfile.mkdtemp(prefix="hlserve-kernel-"))
@@ -51,11 +51,17 @@ def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:
                               text=True)
         if text.returncode == 0:  # a header that revision did not have is not needed by it
             (src / path.name).write_text(text.stdout)
-    print(f"building the kernel at {rev} (about a minute) ...", flush=True)
-    module = cpp_extension.load(
+    print(f"building the kernels at {rev} (about a minute) ...", flush=True)
+    return cpp_extension.load(
         name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._flags(),
         sources=[str(src / p.name) for p in cpu_kernels._SOURCES], extra_ldflags=["-fopenmp"],
         build_directory=str(src), verbose=False)
+
+
+def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:
+    """The decode op (``kernel`` "decode") or the prefill kernel called on decodes
+    ("prefill") compiled from ``rev``'s kernel sources (:func:`kernels_at`)."""
+    module = kernels_at(rev)
     if kernel == "prefill":
         return prefill_kernel_as_decode(module.prefill_attention)  # type: ignore[attr-defined]
     return module.decode_attention  # type: ignore[attr-defined,no-any-return]

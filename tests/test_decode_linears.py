@@ -6,6 +6,8 @@ the runner giving every linear its copy unless it is turned off or the copy woul
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,4 +208,19 @@ def test_decode_linears_benchmark_runs_its_table(capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert "2 MLPs" in out
     rows = [line for line in out.splitlines() if line.startswith("| 4 ")]
+    assert len(rows) == 1 and rows[0].count("|") == 5, rows
+
+
+@needs_pairs
+def test_decode_linears_benchmark_times_another_build(capsys, monkeypatch) -> None:
+    """``--against`` compiles the kernels from a directory of sources (here this checkout's
+    own) and times that build's kernel in oneDNN's place: the same table, named for it."""
+    bench = load_benchmark("decode_linears")
+    csrc = Path(__file__).resolve().parent.parent / "src" / "hlserve" / "models" / "csrc"
+    monkeypatch.setattr("sys.argv", ["decode_linears.py", "--rows", "7", "--rounds", "1",
+                                     "--layers", "1", "--vocab", "1024", "--against", str(csrc)])
+    bench.main()
+    out = capsys.readouterr().out
+    assert f"| rows | kernel at {csrc} ms (GB/s) |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 7 ")]
     assert len(rows) == 1 and rows[0].count("|") == 5, rows
