@@ -13,8 +13,8 @@ packed copy, since the embedding still needs the plain one).
 At the few rows of a decode step oneDNN's GEMM streams the weight well below what memory
 gives (24 GB/s at 8 rows, 18 at 16, on a 2-core Zen 4), and a decode step is bound by that
 stream. So a :class:`PackedLinear` runs ``linear_pairs.cpp`` over a copy of its weight in that
-kernel's layout (``cpu_kernels.pairs_linear_ops``, AVX512_BF16 only): 1.1-1.7x faster at 1-32
-rows, and 1.00-1.07x at 64-2,048 (``benchmarks/decode_linears.py``). Its output is the bf16
+kernel's layout (``cpu_kernels.pairs_linear_ops``, AVX512_BF16 only): 1.1-1.9x faster at 1-32
+rows (~50 GB/s at 1-7 rows), and 1.00-1.07x at 64-2,048 (``benchmarks/decode_linears.py``). Its output is the bf16
 linear's but for fp32 summation order, as :class:`WideLinear`'s is. Where the CPU has no AMX
 the kernel takes every row count and oneDNN's copy is not made; an MLP's merged gate/up
 projection then writes SiLU x up from the kernel's epilogue (:meth:`PackedLinear.silu_mul`,
@@ -91,7 +91,7 @@ def can_widen(device: torch.device, dtype: torch.dtype) -> bool:
 # Where the CPU has AMX, a PackedLinear with a pairs copy runs linear_pairs.cpp up to this many
 # rows and oneDNN (whose AMX GEMM outruns bf16 dot products on many rows) past them. Elsewhere
 # the kernel takes every row count: on a 2-core Zen 4 it streams a decode step's weights
-# 1.1-1.7x faster at 1-32 rows and matches or beats oneDNN's GEMM at 64-2,048 (1.00-1.07x;
+# 1.1-1.9x faster at 1-32 rows and matches or beats oneDNN's GEMM at 64-2,048 (1.00-1.07x;
 # benchmarks/decode_linears.py), so oneDNN's copy is not kept at all.
 SMALL_ROWS = 16
 ALL_ROWS = 1 << 62

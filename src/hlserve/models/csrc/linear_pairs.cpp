@@ -13,20 +13,10 @@
 //
 // The two blocks of a task lie interleaved by pair of k, so that a thread reads its weights
 // as one sequential stream, and its first row group prefetches that stream kPrefetch bytes
-// ahead into L2. At 7 rows the two blocks stored one after the other (two streams 28 KB
-// apart) and no software prefetch streamed 30-37 GB/s on a 2-core Zen 4, the interleaved
-// stream alone 33, and with the prefetch 34-51, 1.13-1.35x, as fast as one row
-// (benchmarks/decode_linears.py; docs/bench.md). The prefetch is the hardware prefetcher's
-// work, which falls behind when 7 rows of dot products slow the demand loads. The sums are fp32,
-// rounded once to bf16 (nearest even, after the bias), as PyTorch's bf16 linear does: the
-// result differs from it only by fp32 summation order. Threads split the column blocks.
-//
-// gate_up_silu is the same GEMM over an MLP's merged gate/up weight packed with its gate and
-// up blocks interleaved (gate columns 16j..16j+15, then the same up columns): a task's two
-// blocks are then one gate block and its up block, and the tile writes
-// bf16(bf16(silu(gate)) * up) instead of both, as silu_mul (fused_ops.cpp) does on the bf16
-// GEMM output. The [rows, 2 x intermediate] output and the pass over it are gone, and the
-// result is the unfused one to the bit.
+// ahead into L2: the hardware prefetcher alone falls behind when 7 rows of dot products slow
+// the demand loads. Neither change helped alone; together a 2-core Zen 4 streams a decode
+// step's weights at ~50 GB/s at 1-7 rows instead of 31-34, ~1.5x faster, prompt-sized calls
+// unchanged (benchmarks/decode_linears.py --against; docs/bench.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -42,8 +32,8 @@ namespace {
 
 constexpr int64_t kCols = 16;  // columns per block: one vector of fp32 sums
 constexpr int kRows = 8;       // rows per register block: 8 x 2 blocks = 16 accumulators
-// how far ahead the first row group prefetches its weights into L2: 2-4 KB was no faster
-// than none, 8-12 KB slower than 6 KB (at 7 rows, 2 threads, Zen 4)
+// how far ahead the first row group prefetches its weights into L2: 2 KB was slower than
+// none, 4 KB and 8-16 KB no faster than 6 KB (at 7 rows, 2 threads, Zen 4)
 constexpr int64_t kPrefetch = 6144;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
