@@ -5,18 +5,27 @@
 // them at 24 GB/s at 8 rows and 18 GB/s at 16 on a 2-core Zen 4 whose memory gives more
 // (benchmarks/decode_linears.py). Here W is stored as [N/32 pairs of column blocks][K/2 pairs
 // of k][2 blocks][16 columns][2] (an odd last block alone, [K/2][16][2]): one 64-byte load is
-// 16 columns x one pair of k, which vdpbf16ps
-// multiplies by a broadcast pair of one row of x and adds into 16 fp32 sums. A task takes
-// two column blocks (32 columns) and walks all of K once per group of up to 8 rows (the last
-// group a tile of its own size), the blocks' weights read from memory for the first group
-// and from L2 for the others; 8 rows x 2 blocks are 16 accumulators.
+// 16 columns x one pair of k, which vdpbf16ps multiplies by a broadcast pair of one row of x
+// and adds into 16 fp32 sums. A task takes a pair of column blocks (32 columns) and walks all
+// of K once per group of up to 8 rows (the last group a tile of its own size), the blocks'
+// weights read from memory for the first group and from L2 for the others; 8 rows x 2 blocks
+// are 16 accumulators. The sums are fp32, rounded once to bf16 (nearest even, after the
+// bias), as PyTorch's bf16 linear does: the result differs from it only by fp32 summation
+// order. Threads split the column blocks.
 //
 // The two blocks of a task lie interleaved by pair of k, so that a thread reads its weights
 // as one sequential stream, and its first row group prefetches that stream kPrefetch bytes
-// ahead into L2: the hardware prefetcher alone falls behind when 7 rows of dot products slow
-// the demand loads. Neither change helped alone; together a 2-core Zen 4 streams a decode
-// step's weights at ~50 GB/s at 1-7 rows instead of 31-34, ~1.5x faster, prompt-sized calls
-// unchanged (benchmarks/decode_linears.py --against; docs/bench.md).
+// ahead into L2: the hardware prefetcher alone does not keep up once 7 rows of dot products
+// slow the demand loads. Neither change did much alone; together a 2-core Zen 4 streams a
+// decode step's weights at ~50 GB/s at 1-7 rows instead of 31-34, ~1.5x faster, prompt-sized
+// calls unchanged (benchmarks/decode_linears.py --against; docs/bench.md).
+//
+// gate_up_silu is the same GEMM over an MLP's merged gate/up weight packed with its gate and
+// up blocks interleaved (gate columns 16j..16j+15, then the same up columns): a task's two
+// blocks are then one gate block and its up block, and the tile writes
+// bf16(bf16(silu(gate)) * up) instead of both, as silu_mul (fused_ops.cpp) does on the bf16
+// GEMM output. The [rows, 2 x intermediate] output and the pass over it are gone, and the
+// result is the unfused one to the bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
