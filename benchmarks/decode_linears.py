@@ -57,20 +57,19 @@ def weights(layers: int, vocab: int) -> list[torch.Tensor]:
 def passes(ws: list[torch.Tensor], rows: int, other: KernelOps | None = None
            ) -> dict[str, Callable[[], None]]:
     """oneDNN's GEMM, or ``other``'s kernel, and this checkout's kernel over every weight."""
-    pack, linear = pairs_linear_ops()
-    mine = [(pack(w), w.shape[0]) for w in ws]
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (HIDDEN, INTER)}
 
-    def run_kernel() -> None:
-        for w, (p, n) in zip(ws, mine, strict=True):
-            linear(xs[w.shape[1]], p, n, None)
-    if other is not None:
-        theirs = [(other[0](w), w.shape[0]) for w in ws]
+    def kernel_run(pack: Callable[..., torch.Tensor], linear: Callable[..., torch.Tensor],
+                   *_: object) -> Callable[[], None]:
+        packed = [(pack(w), w.shape[0]) for w in ws]
 
-        def run_other() -> None:
-            for w, (p, n) in zip(ws, theirs, strict=True):
-                other[1](xs[w.shape[1]], p, n, None)
-        return {"other": run_other, "kernel": run_kernel}
+        def run() -> None:
+            for w, (p, n) in zip(ws, packed, strict=True):
+                linear(xs[w.shape[1]], p, n, None)
+        return run
+    run_kernel = kernel_run(*pairs_linear_ops())
+    if other is not None:
+        return {"other": kernel_run(*other), "kernel": run_kernel}
     pack_dnn, lin_dnn = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
     dnn = [pack_dnn(w, 16) for w in ws]
 
