@@ -205,14 +205,20 @@ def _overrides_for(row: dict, hw: Hardware, hw_override: dict) -> dict:
     length terms to Hopper profiles only, where they were fitted), ``"<engine>:<field>"`` keys
     only to rows of that engine (a term of the measured engine's kernels, not of the cost
     model every engine shares)."""
-    out = {}
+    out: dict = {}
+    alphas = []
     for k, v in hw_override.items():
         engine, _, name = k.rpartition(":")
         if engine and not row["engine"].startswith(engine):
             continue
         if (name.startswith("attn_len") or name == "attn_eta_compute") and hw.arch != "hopper":
             continue
+        if name.startswith(AR_ALPHA):  # one all-reduce latency per device count
+            alphas.append((int(name[len(AR_ALPHA):]), v * 1e-6))
+            continue
         out[name] = v
+    if alphas:
+        out["allreduce_alpha"] = tuple(sorted(alphas))
     return out
 
 
@@ -271,6 +277,12 @@ def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True
 # rope, activations and residual adds into neighbouring kernels; the cost model charges the
 # unfused passes vLLM's kernels make): fitted on its first-token rows, applied to its rows only
 TRT_ELEM = "TensorRT-LLM:elem_eta_mem"
+# the all-reduce latency at n devices, a correction written "allreduce_us_tp<n>" (microseconds):
+# Vidur's NCCL fit (45-50 us on A100) times collectives launched one by one from Python; an
+# engine that launches them from C++ or a captured graph waits only for the collective
+AR_ALPHA = "allreduce_us_tp"
+# TurboMind's host time per step (a C++ engine; the shipped 1 ms is hlserve's Python engine's)
+TM_HOST = "LMDeploy TurboMind:iter_overhead"
 TTFT_ROWS = ["ttft-a100-7b-128", "ttft-a100-7b-2048", "ttft-a100-70b-128", "ttft-a100-70b-2048"]
 
 
@@ -287,7 +299,12 @@ def _fit(data: dict, ids: list[str], names: list[str], x0: list[float], lo: list
         return np.array([np.log(simulate(data, r, ov) / r["measured"]) for r in rows])
 
     res = least_squares(resid, x0=x0, bounds=(lo, hi))
-    return dict(zip(names, (round(float(v), 4) for v in res.x), strict=True))
+    return dict(zip(names, (_round(float(v)) for v in res.x), strict=True))
+
+
+def _round(v: float) -> float:
+    """Four decimals, or four significant digits below 0.1 (a host time in seconds)."""
+    return round(v, 4) if abs(v) >= 0.1 else float(f"{v:.4g}")
 
 
 def fit_corrections(data: dict) -> dict[str, float]:
@@ -302,7 +319,20 @@ def fit_corrections(data: dict) -> dict[str, float]:
     fused = _fit(data, TTFT_ROWS, [TRT_ELEM], [0.5], [0.1], [100.0])
     decode = _fit(data, ["tput-a100-7b-60x128x2048"], ["attn_eta_mem"], [0.7], [0.1], [1.0],
                   fixed=fused)
-    return {**attn, **fused, **decode}
+    host = _fit(data, _one_stream_rows(data, 1), [TM_HOST], [1e-3], [0.0], [5e-3],
+                fixed={**fused, **decode})
+    comm: dict[str, float] = {}
+    for tp in (2, 4):
+        comm |= _fit(data, _one_stream_rows(data, tp), [f"{AR_ALPHA}{tp}"], [30.0], [1.0],
+                     [200.0], fixed={**fused, **decode, **host})
+    return {**attn, **fused, **decode, **host, **comm}
+
+
+def _one_stream_rows(data: dict, tp: int) -> list[str]:
+    """The serving rows marked ``fit``: one client at a time, so every step is one stream's
+    decode step (no batching, no admission, no stalls), at ``tp`` devices."""
+    return [r["id"] for r in data["rows"] if r["split"] == "fit"
+            and r["kind"] == "serving_out_tps" and r["tp"] == tp and r["concurrency"] == 1]
 
 
 # ---- GEMM rows the fits did not use ---------------------------------------------------------

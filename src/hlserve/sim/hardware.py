@@ -65,6 +65,9 @@ class Hardware:
     attn_eta_cache: float = 1.0
     # all-reduce: ((num devices, alpha seconds, algbw bytes/s), ...); others extrapolated
     allreduce: tuple[tuple[int, float, float], ...] = ()
+    # a correction fitted on public measurements (benchmarks/fidelity.py): ((num devices,
+    # alpha seconds), ...) in place of the fit's alpha at those counts; () keeps it as it is
+    allreduce_alpha: tuple[tuple[int, float], ...] = ()
     # per iteration, on the host: in the runner (input preparation, sampling) ...
     iter_overhead: float = 1e-3
     seq_overhead: float = 10e-6
@@ -101,6 +104,7 @@ class Hardware:
             return 10e-6, self.link_bw * n / (2 * (n - 1))
         best = min(self.allreduce, key=lambda a: (abs(math.log(a[0] / n)), -a[0]))
         k, alpha, algbw = best
+        alpha = dict(self.allreduce_alpha).get(n, alpha)
         if k == n:
             return alpha, algbw
         bus = algbw * 2 * (k - 1) / k
@@ -112,6 +116,7 @@ class Hardware:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["allreduce"] = [list(a) for a in self.allreduce]
+        d["allreduce_alpha"] = [list(a) for a in self.allreduce_alpha]
         return d
 
     @classmethod
@@ -119,6 +124,7 @@ class Hardware:
         known = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
         d["allreduce"] = tuple(tuple(a) for a in d.get("allreduce", ()))
+        d["allreduce_alpha"] = tuple(tuple(a) for a in d.get("allreduce_alpha", ()))
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
