@@ -214,7 +214,7 @@ def _overrides_for(row: dict, hw: Hardware, hw_override: dict) -> dict:
         if (name.startswith("attn_len") or name == "attn_eta_compute") and hw.arch != "hopper":
             continue
         if name.startswith(AR_ALPHA):  # one all-reduce latency per device count
-            alphas.append((int(name[len(AR_ALPHA):]), v * 1e-6))
+            alphas.append((int(name[len(AR_ALPHA):]), v / 1e6))
             continue
         out[name] = v
     if alphas:
@@ -277,12 +277,14 @@ def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True
 # rope, activations and residual adds into neighbouring kernels; the cost model charges the
 # unfused passes vLLM's kernels make): fitted on its first-token rows, applied to its rows only
 TRT_ELEM = "TensorRT-LLM:elem_eta_mem"
-# the all-reduce latency at n devices, a correction written "allreduce_us_tp<n>" (microseconds):
-# Vidur's NCCL fit (45-50 us on A100) times collectives launched one by one from Python; an
-# engine that launches them from C++ or a captured graph waits only for the collective
+# TurboMind's terms, fitted on its one-client rows and applied to its rows only: its host time
+# per step (a C++ engine; the shipped 1 ms is hlserve's Python engine's) and its all-reduce
+# latency at n devices, written "<engine>:allreduce_us_tp<n>" (microseconds). Vidur's NCCL fit
+# (45-50 us on A100) times collectives launched one by one from Python; TurboMind launches
+# NCCL from C++
 AR_ALPHA = "allreduce_us_tp"
-# TurboMind's host time per step (a C++ engine; the shipped 1 ms is hlserve's Python engine's)
-TM_HOST = "LMDeploy TurboMind:iter_overhead"
+TM = "LMDeploy TurboMind"
+TM_HOST = f"{TM}:iter_overhead"
 TTFT_ROWS = ["ttft-a100-7b-128", "ttft-a100-7b-2048", "ttft-a100-70b-128", "ttft-a100-70b-2048"]
 
 
@@ -311,9 +313,11 @@ def fit_corrections(data: dict) -> dict[str, float]:
     """Prefill attention efficiency by length (Hopper only: FA3 rows 512, 2K, 8K) and decode
     attention bandwidth, one value for MHA and GQA models, on the one TensorRT-LLM row whose
     time is almost all decode attention and weight reads (Llama-2-7B, 60 x 128/2048), and
-    TensorRT-LLM's elementwise traffic on its four first-token rows (applied to its rows only).
-    Every serving row, the GQA rows and the other large-batch rows are held out: they test the
-    single bandwidth and the engine's elementwise term on batches of 52-1280."""
+    TensorRT-LLM's elementwise traffic on its four first-token rows (applied to its rows only),
+    then TurboMind's host time per step on its one-client rows at TP 1 and its all-reduce
+    latency at TP 2 and TP 4 on its one-client rows there (applied to its rows only). Every
+    serving row with 16-64 clients, the GQA rows and the other large-batch rows are held out:
+    they test the single bandwidth and the engine terms on batches of 16-1280."""
     attn = _fit(data, ["attn-fa3-512", "attn-fa3-2k", "attn-fa3-8k"],
                 ["attn_eta_compute", "attn_len_half"], [0.65, 300.0], [0.2, 0.0], [1.0, 1e5])
     fused = _fit(data, TTFT_ROWS, [TRT_ELEM], [0.5], [0.1], [100.0])
@@ -323,7 +327,7 @@ def fit_corrections(data: dict) -> dict[str, float]:
                 fixed={**fused, **decode})
     comm: dict[str, float] = {}
     for tp in (2, 4):
-        comm |= _fit(data, _one_stream_rows(data, tp), [f"{AR_ALPHA}{tp}"], [30.0], [1.0],
+        comm |= _fit(data, _one_stream_rows(data, tp), [f"{TM}:{AR_ALPHA}{tp}"], [30.0], [1.0],
                      [200.0], fixed={**fused, **decode, **host})
     return {**attn, **fused, **decode, **host, **comm}
 

@@ -28,15 +28,17 @@ BEFORE = {  # group: (median, worst) over the scored rows
     "single-request": (0.10, 0.15),
     "attention (FA3, H100)": (0.12, 0.22),
     "large-batch decode": (0.18, 0.23),
-    "serving": (0.10, 0.30),
-    "serving: p50 token latency": (0.13, 0.30),
+    "serving": (0.11, 0.30),
+    "serving: p50 token latency": (0.15, 0.33),  # InternLM-20B at TP 2: Vidur's all-reduce
     "mixed-batch": (0.05, 0.05),
 }
 AFTER = {  # group: (held-out median, held-out worst)
     "attention (FA3, H100)": (0.03, 0.03),
     "large-batch decode": (0.10, 0.15),  # the bound, met
-    "serving": (0.05, 0.30),  # worst: not met (docs/fidelity.md, "Against the bounds")
-    "serving: p50 token latency": (0.07, 0.20),
+    # worst: not met, the measured engine's stalls at 16-64 clients, which the step does not
+    # carry (docs/fidelity.md, "Against the bounds"); the step itself is the next line
+    "serving": (0.05, 0.40),
+    "serving: p50 token latency": (0.05, 0.10),
 }
 
 
@@ -103,6 +105,14 @@ def test_corrections_move_the_rows_they_target(suite) -> None:
     # bandwidth); fitted on its four first-token rows, it brings them within 10%
     assert fixes[fidelity.TRT_ELEM] > 2 * HARDWARE["A100"].elem_eta_mem
     assert after["single-request"]["heldout_rows"] == 0 and after["single-request"]["worst"] <= 0.10
+    # TurboMind's one-client rows: a C++ engine's host step is under hlserve's 1 ms, and its
+    # all-reduce waits less than Vidur's NCCL fit (collectives launched from Python) at TP 2
+    # and 4; with them the held-out step (median token gap, 16-64 clients) is within 10%
+    assert 0 < fixes[fidelity.TM_HOST] < HARDWARE["A100"].iter_overhead
+    for tp in (2, 4):
+        alpha = fixes[f"{fidelity.TM}:{fidelity.AR_ALPHA}{tp}"] * 1e-6
+        assert 0 < alpha < HARDWARE["A100"].allreduce_params(tp)[0]
+    assert before["serving: p50 token latency"]["heldout_worst"] > 0.25
 
 
 def test_an_engine_term_reaches_only_that_engines_rows() -> None:
@@ -112,10 +122,16 @@ def test_an_engine_term_reaches_only_that_engines_rows() -> None:
     data = fidelity.load()
     trt = next(r for r in data["rows"] if r["id"] == "tput-a100-7b-384x128x128")
     tm = next(r for r in data["rows"] if r["id"] == "serve-a100-7b-c64-128x128")
-    fix = {fidelity.TRT_ELEM: 1.5, "attn_eta_mem": 0.9}
+    fix = {fidelity.TRT_ELEM: 1.5, "attn_eta_mem": 0.9, fidelity.TM_HOST: 3e-4,
+           f"{fidelity.TM}:{fidelity.AR_ALPHA}4": 20.0, f"{fidelity.TM}:{fidelity.AR_ALPHA}2": 9.0}
     assert fidelity.row_hardware(data, trt, fix).elem_eta_mem == 1.5
     assert fidelity.row_hardware(data, tm, fix).elem_eta_mem == HARDWARE["A100"].elem_eta_mem
     assert fidelity.row_hardware(data, tm, fix).attn_eta_mem == 0.9
+    # TurboMind's terms: its host step, its all-reduce latencies (microseconds, by device count)
+    assert fidelity.row_hardware(data, tm, fix).iter_overhead == 3e-4
+    assert fidelity.row_hardware(data, tm, fix).allreduce_alpha == ((2, 9e-6), (4, 2e-5))
+    assert fidelity.row_hardware(data, trt, fix).allreduce_alpha == ()
+    assert fidelity.row_hardware(data, trt, fix).iter_overhead == HARDWARE["A100"].iter_overhead
     assert fidelity.simulate(data, trt, fix) > fidelity.simulate(data, trt, {"attn_eta_mem": 0.9})
 
 

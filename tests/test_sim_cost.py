@@ -84,6 +84,24 @@ def test_hardware_profiles_and_roundtrip(tmp_path) -> None:
     assert a16 == a8 and b16 < b8
 
 
+def test_allreduce_alpha_replaces_the_fit_only_where_given(tmp_path) -> None:
+    """A measured all-reduce latency (docs/fidelity.md) takes the fit's place at its device
+    count only, keeps the fit's bandwidth, shortens a TP decode step by the difference for
+    each of its all-reduces (two per layer, one for the logits), and survives a profile's save and load; the shipped profiles carry none."""
+    hw = get_hardware("A100")
+    assert all(h.allreduce_alpha == () for h in HARDWARE.values())
+    fixed = hw.replace(allreduce_alpha=((2, 15e-6),))
+    assert fixed.allreduce_params(2) == (15e-6, hw.allreduce_params(2)[1])
+    assert fixed.allreduce_params(4) == hw.allreduce_params(4)
+    model = resolve_model("Llama-3.1-70B")[1]
+    slow, fast = CostModel(model, hw, 2).decode(1, 1000), CostModel(model, fixed, 2).decode(1, 1000)
+    saved = (2 * model.num_hidden_layers + 1) * (hw.allreduce_params(2)[0] - 15e-6)  # + logits
+    assert slow.total - fast.total == pytest.approx(saved, rel=1e-6)
+    path = tmp_path / "a100.json"
+    fixed.save(path)
+    assert Hardware.load(path) == fixed
+
+
 def _cm(model: str = "Qwen2.5-32B", hw: str = "H20", tp: int = 8) -> CostModel:
     return CostModel(resolve_model(model)[1], get_hardware(hw), tp)
 
