@@ -16,10 +16,14 @@ fitted to measurements where measurements exist, and every value says where it c
   kernels on long contexts), 1 ms scheduler/sampling overhead per iteration plus 10 us per
   sequence, 4 us to launch a kernel outside a CUDA graph, decode graphs up to batch 256.
   ``hlserve calibrate`` measures all of these on the machine at hand instead.
-- ``attn_len_half`` is a correction fitted on public measurements by ``benchmarks/fidelity.py``
-  (docs/fidelity.md); it defaults to 0 (off), which keeps the terms above exactly as they
-  are. The suite's other correction, decode attention at ~92% of HBM bandwidth, is a value of
-  ``attn_eta_mem``, not a new term; the shipped 70% stays until the study is rerun on it.
+- ``attn_len_half`` and ``allreduce_alpha`` are corrections fitted on public measurements by
+  ``benchmarks/fidelity.py`` (docs/fidelity.md); they default to 0 and () (off), which keeps
+  the terms above exactly as they are. The suite's other correction, decode attention at ~92%
+  of HBM bandwidth, is a value of ``attn_eta_mem``, not a new term; the shipped 70% stays
+  until the study is rerun on it. ``allreduce_alpha`` holds an engine's measured all-reduce
+  latency per device count in place of the Vidur fit's (timed from Python, 45-50 us on A100);
+  the suite fits TurboMind's on its one-client rows, and docs/study.md section 5 measures
+  what it would move in the study.
 
 Memory sizes in the datasheets ("96 GB") are taken as GiB: HBM stacks are binary-sized.
 """
