@@ -52,19 +52,30 @@ def gemm(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None:
         print(f"  throughput mode on {hw.name}: {gains}")
 
 
-def fidelity_alpha_ratios() -> dict[int, float]:
-    """The fidelity suite's fitted all-reduce latency of TurboMind over the A100 profile's, per
-    device count it measures."""
+def _fidelity():
     spec = importlib.util.spec_from_file_location("fidelity", Path(__file__).with_name("fidelity.py"))
     assert spec and spec.loader
     fid = importlib.util.module_from_spec(spec)
     sys.modules["fidelity"] = fid
     spec.loader.exec_module(fid)
-    fixes = fid.fit_corrections(fid.load())
-    a100 = get_hardware("A100")
-    prefix = f"{fid.TM}:{fid.AR_ALPHA}"
-    return {int(k[len(prefix):]): v * 1e-6 / a100.allreduce_params(int(k[len(prefix):]))[0]
-            for k, v in fixes.items() if k.startswith(prefix)}
+    return fid
+
+
+def alpha_ratios(fixes: dict[str, float], fid) -> dict[int, float]:
+    """TurboMind's fitted all-reduce latency (``fixes``: the suite's corrections) over the A100
+    profile's, per device count the suite measures."""
+    a100, prefix = get_hardware("A100"), f"{fid.TM}:{fid.AR_ALPHA}"
+    out = {}
+    for k, v in fixes.items():
+        if k.startswith(prefix):
+            n = int(k[len(prefix):])
+            out[n] = v * 1e-6 / a100.allreduce_params(n)[0]
+    return out
+
+
+def fidelity_alpha_ratios() -> dict[int, float]:
+    fid = _fidelity()
+    return alpha_ratios(fid.fit_corrections(fid.load()), fid)
 
 
 def allreduce(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None:
