@@ -281,7 +281,8 @@ TRT_ELEM = "TensorRT-LLM:elem_eta_mem"
 # per step (a C++ engine; the shipped 1 ms is hlserve's Python engine's) and its all-reduce
 # latency at n devices, written "<engine>:allreduce_us_tp<n>" (microseconds). Vidur's NCCL fit
 # (45-50 us on A100) times collectives launched one by one from Python; TurboMind launches
-# NCCL from C++
+# NCCL from C++. Fitted on one-stream steps, the latency also takes up whatever else that step
+# charges wrongly (docs/fidelity.md, item 6)
 AR_ALPHA = "allreduce_us_tp"
 TM = "LMDeploy TurboMind"
 TM_HOST = f"{TM}:iter_overhead"

@@ -104,11 +104,12 @@ class Hardware:
         profiled size with the ring's bus bandwidth held constant (algbw ~ n / 2(n - 1))."""
         if n <= 1:
             return 0.0, math.inf
+        measured = dict(self.allreduce_alpha)
         if not self.allreduce:
-            return 10e-6, self.link_bw * n / (2 * (n - 1))
+            return measured.get(n, 10e-6), self.link_bw * n / (2 * (n - 1))
         best = min(self.allreduce, key=lambda a: (abs(math.log(a[0] / n)), -a[0]))
         k, alpha, algbw = best
-        alpha = dict(self.allreduce_alpha).get(n, alpha)
+        alpha = measured.get(n, alpha)
         if k == n:
             return alpha, algbw
         bus = algbw * 2 * (k - 1) / k
