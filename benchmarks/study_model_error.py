@@ -9,7 +9,10 @@ exercise it (``benchmarks/fidelity.py``, shipped profiles, no serving replays ne
 - decode attention (``attn_eta_mem``): vLLM's decode kernel at batch 100 and 128 (Vidur);
 - host overhead (``iter_overhead``, ``seq_overhead``): vLLM's host path per step (Vidur,
   another engine's: an upper end for a Python engine);
-- mixed-batch contention (``mix_contention``): Sarathi-Serve's 1021 + 3 row.
+- mixed-batch contention (``mix_contention``): Sarathi-Serve's 1021 + 3 row;
+- with ``--allreduce``, the all-reduce latency (``allreduce_alpha``, every profiled device
+  count): TurboMind's latency fitted on its one-client rows at 2 and 4 GPUs against the A100
+  profile's (no row measures the study's 8).
 
 Replicate k runs workload seed k on draw k, every point of the replicate on the same seed and
 draw (paired). The seed-only replicates (the shipped cost model) are read from the stored
@@ -21,6 +24,7 @@ go to ``--out`` as they come (a rerun resumes).
     python benchmarks/study_model_error.py --gpu H100   # docs/study/h100-model-error/
     python benchmarks/study_model_error.py --context 65536 \
         --out docs/study/h20-model-error/model_error_64k.json
+    python benchmarks/study_model_error.py --allreduce  # + the all-reduce latency (~10 min)
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ def _fidelity():
     return mod
 
 
-def terms() -> list[me.Term]:
-    """The perturbed terms and their residuals (shipped profiles)."""
-    results, _ = _fidelity().run(gemm=True, serving=False)
+def terms(allreduce: bool = False) -> list[me.Term]:
+    """The perturbed terms and their residuals (shipped profiles); ``allreduce`` adds the
+    all-reduce latency, drawn last so that every other term draws as without it."""
+    fid = _fidelity()
+    results, _ = fid.run(gemm=True, serving=False)
 
     def pick(ok) -> tuple[tuple[float, ...], tuple[str, ...]]:
         rs = [r for r in results if ok(r)]
@@ -73,7 +79,23 @@ def terms() -> list[me.Term]:
         me.Term("attention decode", ("attn_eta_mem",), dec[0], +1, dec[1]),
         me.Term("host overhead", ("iter_overhead", "seq_overhead"), host[0], -1, host[1]),
         me.Term("mixed-batch contention", ("mix_contention",), mix[0], -1, mix[1], additive=True),
-    ]
+    ] + ([allreduce_term(fid)] if allreduce else [])
+
+
+def allreduce_term(fid) -> me.Term:
+    """The all-reduce latency: the A100 profile's (Vidur's fit) against TurboMind's, fitted on
+    its one-client rows at 2 and 4 GPUs (docs/fidelity.md, item 6), one residual per device
+    count, ``e = profile / fitted - 1``: a time term checked on time rows (power -1)."""
+    data = fid.load()
+    fixes = fid.fit_corrections(data)
+    a100, prefix = get_hardware("A100"), f"{fid.TM}:{fid.AR_ALPHA}"
+    res, rows = [], []
+    for k, v in sorted(fixes.items()):
+        if k.startswith(prefix):
+            n = int(k[len(prefix):])
+            res.append(a100.allreduce_params(n)[0] / (v * 1e-6) - 1)
+            rows += fid._one_stream_rows(data, n)
+    return me.Term("all-reduce latency", ("allreduce_alpha",), tuple(res), -1, tuple(rows))
 
 
 def stored(point: Point, seed: int, gpu: str) -> dict[str, Any] | None:
@@ -129,12 +151,16 @@ def main() -> None:
     ap.add_argument("--gpu", default=StudySpec().hardware,
                     help="the GPU profile (8 of them, the study's deployment); default H20")
     ap.add_argument("--out", type=Path, help=f"default {OUT.relative_to(ROOT)} (another GPU: "
-                    "docs/study/<gpu>-model-error/)")
+                    "docs/study/<gpu>-model-error/; with --allreduce: model_error_allreduce.json)")
+    ap.add_argument("--allreduce", action="store_true", help="draw the all-reduce latency too "
+                    "(TurboMind's one-client rows, docs/fidelity.md item 6)")
     args = ap.parse_args()
     if args.out is None:
         args.out = OUT if args.gpu == StudySpec().hardware else \
             ROOT / f"docs/study/{args.gpu.lower()}-model-error/model_error.json"
-    ts = terms()
+        if args.allreduce:
+            args.out = args.out.with_name("model_error_allreduce.json")
+    ts = terms(args.allreduce)
     base = get_hardware(args.gpu)
     draws = [me.draw(base, ts, DRAW_SEED, k) for k in range(args.seeds)]
     sessions = [int(n) for n in args.sessions.split(",")] if args.sessions else None

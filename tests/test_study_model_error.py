@@ -87,6 +87,33 @@ def test_term_clamps_efficiency_and_contention() -> None:
     assert mix.apply(base, 0.9) == {"mix_contention": 0.0}
 
 
+def test_allreduce_term_scales_the_latency_at_every_count_and_draws_last(terms) -> None:
+    """The all-reduce term scales the latency at every profiled device count (the bandwidth
+    kept); drawn last, it leaves every other term's draw as it was, so a run with it differs
+    from the stored one by the all-reduce latency alone."""
+    base = get_hardware("H20")
+    t = me.Term("all-reduce latency", ("allreduce_alpha",), (2.0,), -1)
+    hw = base.replace(**t.apply(base, t.scale_of(2.0)))
+    for n in (2, 4, 8):
+        assert hw.allreduce_params(n)[0] == pytest.approx(base.allreduce_params(n)[0] / 3)
+        assert hw.allreduce_params(n)[1] == base.allreduce_params(n)[1]
+    with_ar = [*terms, t]
+    for k in range(5):
+        a, b = me.draw(base, terms, 0, k), me.draw(base, with_ar, 0, k)
+        assert {n: v for n, v in b.scales.items() if n != t.name} == a.scales
+        assert b.hardware.allreduce_params(8)[0] == pytest.approx(base.allreduce_params(8)[0] / 3)
+
+
+def test_allreduce_term_from_the_fidelity_fit() -> None:
+    """``--allreduce`` draws TurboMind's fitted latency over the A100 profile's at 2 and 4
+    GPUs (docs/fidelity.md, item 6): two residuals, both scales under 1, from the ten
+    one-client rows at those counts."""
+    bench = _bench()
+    t = bench.allreduce_term(bench._fidelity())
+    assert len(t.residuals) == 2 and all(0 < s < 1 for s in t.scales())
+    assert len(t.rows) == 10 and all("-c1-" in r for r in t.rows)
+
+
 def test_headline_marks_no_difference_when_the_interval_includes_zero() -> None:
     assert me.headline("x", [0.01, -0.012, 0.02]).no_difference is True
     h = me.headline("y", [0.10, 0.11, 0.12])

@@ -3,7 +3,8 @@ residuals (docs/fidelity.md), and the study's headline numbers with an interval 
 workload seeds and model error together (docs/study.md, "Model error in the headline").
 
 A **term** is one cost term of :class:`~hlserve.sim.cost.CostModel` (GEMM, prefill
-attention, decode attention, host overhead, mixed-batch contention), the ``Hardware`` fields
+attention, decode attention, host overhead, mixed-batch contention and, when asked for, the
+all-reduce latency, which scales the latency at every profiled device count), the ``Hardware`` fields
 that set it and the signed residuals ``e = simulated / measured - 1`` of the public rows
 that exercise it. A **draw** resamples one residual per term (a bootstrap over each term's
 rows) and scales the term's fields by ``(1 + e) ** power``: an efficiency checked on time
@@ -55,10 +56,13 @@ class Term:
         """Every scale a draw can give this term (one per residual)."""
         return tuple(self.scale_of(e) for e in self.residuals)
 
-    def apply(self, hw: Hardware, scale: float) -> dict[str, float]:
+    def apply(self, hw: Hardware, scale: float) -> dict[str, Any]:
         """The fields of ``hw`` this term sets, at ``scale``."""
-        out: dict[str, float] = {}
+        out: dict[str, Any] = {}
         for f in self.fields:
+            if f == "allreduce_alpha":  # a latency per device count: each profiled one scaled
+                out[f] = tuple((n, hw.allreduce_params(n)[0] * scale) for n, _, _ in hw.allreduce)
+                continue
             base = getattr(hw, f)
             v = max(0.0, base + scale - 1.0) if self.additive else base * scale
             # an efficiency (of peak or of bandwidth) cannot pass 1
@@ -81,7 +85,7 @@ def draw(base: Hardware, terms: Sequence[Term], seed: int, index: int) -> Draw:
     in every process (unlike ``hash``)."""
     rng = random.Random(f"hlserve-model-error:{seed}:{index}")
     scales: dict[str, float] = {}
-    changes: dict[str, float] = {}
+    changes: dict[str, Any] = {}
     for t in terms:
         if not t.residuals:
             continue
