@@ -24,7 +24,7 @@ go to ``--out`` as they come (a rerun resumes).
     python benchmarks/study_model_error.py --gpu H100   # docs/study/h100-model-error/
     python benchmarks/study_model_error.py --context 65536 \
         --out docs/study/h20-model-error/model_error_64k.json
-    python benchmarks/study_model_error.py --allreduce  # + the all-reduce latency (~10 min)
+    python benchmarks/study_model_error.py --allreduce  # + the all-reduce latency (~7 min)
 """
 
 from __future__ import annotations
