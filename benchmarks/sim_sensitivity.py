@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.study.core import PRODUCTION_SLO, Point, StudySpec, human_tax, run_point
@@ -52,15 +49,6 @@ def gemm(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None:
         print(f"  throughput mode on {hw.name}: {gains}")
 
 
-def _fidelity():
-    spec = importlib.util.spec_from_file_location("fidelity", Path(__file__).with_name("fidelity.py"))
-    assert spec and spec.loader
-    fid = importlib.util.module_from_spec(spec)
-    sys.modules["fidelity"] = fid
-    spec.loader.exec_module(fid)
-    return fid
-
-
 def alpha_ratios(fixes: dict[str, float], fid) -> dict[int, float]:
     """TurboMind's fitted all-reduce latency (``fixes``: the suite's corrections) over the A100
     profile's, per device count the suite measures."""
@@ -74,7 +62,8 @@ def alpha_ratios(fixes: dict[str, float], fid) -> dict[int, float]:
 
 
 def fidelity_alpha_ratios() -> dict[int, float]:
-    fid = _fidelity()
+    import fidelity as fid  # the sibling script (its directory leads sys.path when run)
+
     return alpha_ratios(fid.fit_corrections(fid.load()), fid)
 
 
