@@ -324,20 +324,29 @@ def fit_corrections(data: dict) -> dict[str, float]:
     fused = _fit(data, TTFT_ROWS, [TRT_ELEM], [0.5], [0.1], [100.0])
     decode = _fit(data, ["tput-a100-7b-60x128x2048"], ["attn_eta_mem"], [0.7], [0.1], [1.0],
                   fixed=fused)
-    host = _fit(data, _one_stream_rows(data, 1), [TM_HOST], [1e-3], [0.0], [5e-3],
+    host = _fit(data, one_stream_rows(data, 1), [TM_HOST], [1e-3], [0.0], [5e-3],
                 fixed={**fused, **decode})
     comm: dict[str, float] = {}
     for tp in (2, 4):
-        comm |= _fit(data, _one_stream_rows(data, tp), [f"{TM}:{AR_ALPHA}{tp}"], [30.0], [1.0],
+        comm |= _fit(data, one_stream_rows(data, tp), [f"{TM}:{AR_ALPHA}{tp}"], [30.0], [1.0],
                      [200.0], fixed={**fused, **decode, **host})
     return {**attn, **fused, **decode, **host, **comm}
 
 
-def _one_stream_rows(data: dict, tp: int) -> list[str]:
+def one_stream_rows(data: dict, tp: int) -> list[str]:
     """The serving rows marked ``fit``: one client at a time, so every step is one stream's
     decode step (no batching, no admission, no stalls), at ``tp`` devices."""
     return [r["id"] for r in data["rows"] if r["split"] == "fit"
             and r["kind"] == "serving_out_tps" and r["tp"] == tp and r["concurrency"] == 1]
+
+
+def turbomind_allreduce(fixes: dict[str, float]) -> dict[int, tuple[float, float]]:
+    """Per device count fitted: TurboMind's all-reduce latency (``fixes``:
+    :func:`fit_corrections`) and the A100 profile's, seconds; their ratio is the scale
+    benchmarks/sim_sensitivity.py and study_model_error.py put on the study's latency."""
+    a100, prefix = get_hardware("A100"), f"{TM}:{AR_ALPHA}"
+    ns = {k: int(k[len(prefix):]) for k in fixes if k.startswith(prefix)}
+    return {n: (fixes[k] * 1e-6, a100.allreduce_params(n)[0]) for k, n in sorted(ns.items())}
 
 
 # ---- GEMM rows the fits did not use ---------------------------------------------------------

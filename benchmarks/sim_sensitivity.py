@@ -15,7 +15,7 @@ mode's points and its gain over ``sglang``, as docs/study.md section 7.6 counts 
 
     python benchmarks/sim_sensitivity.py                     # 32K, 64 sessions
     python benchmarks/sim_sensitivity.py --context 65536
-    python benchmarks/sim_sensitivity.py --term allreduce    # 32K, ~3 minutes
+    python benchmarks/sim_sensitivity.py --term allreduce    # 32K, ~7 minutes
 """
 
 from __future__ import annotations
@@ -49,22 +49,11 @@ def gemm(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None:
         print(f"  throughput mode on {hw.name}: {gains}")
 
 
-def alpha_ratios(fixes: dict[str, float], fid) -> dict[int, float]:
-    """TurboMind's fitted all-reduce latency (``fixes``: the suite's corrections) over the A100
-    profile's, per device count the suite measures."""
-    a100, prefix = get_hardware("A100"), f"{fid.TM}:{fid.AR_ALPHA}"
-    out = {}
-    for k, v in fixes.items():
-        if k.startswith(prefix):
-            n = int(k[len(prefix):])
-            out[n] = v * 1e-6 / a100.allreduce_params(n)[0]
-    return out
-
-
 def fidelity_alpha_ratios() -> dict[int, float]:
     import fidelity as fid  # the sibling script (its directory leads sys.path when run)
 
-    return alpha_ratios(fid.fit_corrections(fid.load()), fid)
+    return {n: fitted / profile for n, (fitted, profile)
+            in fid.turbomind_allreduce(fid.fit_corrections(fid.load())).items()}
 
 
 def allreduce(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None:

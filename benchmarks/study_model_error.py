@@ -87,15 +87,10 @@ def allreduce_term(fid) -> me.Term:
     its one-client rows at 2 and 4 GPUs (docs/fidelity.md, item 6), one residual per device
     count, ``e = profile / fitted - 1``: a time term checked on time rows (power -1)."""
     data = fid.load()
-    fixes = fid.fit_corrections(data)
-    a100, prefix = get_hardware("A100"), f"{fid.TM}:{fid.AR_ALPHA}"
-    res, rows = [], []
-    for k, v in sorted(fixes.items()):
-        if k.startswith(prefix):
-            n = int(k[len(prefix):])
-            res.append(a100.allreduce_params(n)[0] / (v * 1e-6) - 1)
-            rows += fid._one_stream_rows(data, n)
-    return me.Term("all-reduce latency", ("allreduce_alpha",), tuple(res), -1, tuple(rows))
+    alphas = fid.turbomind_allreduce(fid.fit_corrections(data))
+    return me.Term("all-reduce latency", ("allreduce_alpha",),
+                   tuple(profile / fitted - 1 for fitted, profile in alphas.values()), -1,
+                   tuple(i for n in alphas for i in fid.one_stream_rows(data, n)))
 
 
 def stored(point: Point, seed: int, gpu: str) -> dict[str, Any] | None:

@@ -87,7 +87,8 @@ def test_hardware_profiles_and_roundtrip(tmp_path) -> None:
 def test_allreduce_alpha_replaces_the_fit_only_where_given(tmp_path) -> None:
     """A measured all-reduce latency (docs/fidelity.md) takes the fit's place at its device
     count only, keeps the fit's bandwidth, shortens a TP decode step by the difference for
-    each of its all-reduces (two per layer, one for the logits), and survives a profile's save and load; the shipped profiles carry none."""
+    each of its all-reduces (two per layer, one for the logits), and survives a profile's
+    save and load; the shipped profiles carry none."""
     hw = get_hardware("A100")
     assert all(h.allreduce_alpha == () for h in HARDWARE.values())
     fixed = hw.replace(allreduce_alpha=((2, 15e-6),))
