@@ -457,6 +457,40 @@ def summary_markdown(groups: dict[str, dict], after: dict[str, dict] | None = No
     return "\n".join(lines)
 
 
+# ---- a check on the measured table itself ---------------------------------------------------
+def prompt_cost(data: dict, results: list[Result]) -> list[dict]:
+    """What a 128-token prompt costs a serving run, measured and replayed: a model's throughput
+    with one-token prompts over its throughput with 128-token prompts at the same concurrency
+    (the same 128 generated tokens a request, one short prefill more). Rows at 16-64 clients.
+    A published ratio that breaks the pattern its neighbours share is an outlier of the
+    measurement, not of the replay: no decode step makes a short prompt free at one
+    concurrency and dear at the next (docs/fidelity.md, "The published table against itself")."""
+    rows = {r["id"]: r for r in data["rows"] if r["kind"] == "serving_out_tps"}
+    by_id = {r.id: r for r in results}
+    out = []
+    for rid, r in rows.items():
+        if r["input"] != 1 or r["concurrency"] < 16 or rid not in by_id:
+            continue
+        key = (r["model"], r["tp"], r["concurrency"], r["output"])
+        twin = next((s for s in rows.values() if s["input"] == 128
+                     and (s["model"], s["tp"], s["concurrency"], s["output"]) == key), None)
+        if twin is None or twin["id"] not in by_id:
+            continue
+        a, b = by_id[rid], by_id[twin["id"]]
+        out.append({"model": r["model"], "tp": r["tp"], "clients": r["concurrency"],
+                    "measured": a.measured / b.measured, "simulated": a.simulated / b.simulated})
+    order = list(data["models"])
+    return sorted(out, key=lambda p: (order.index(p["model"]), p["clients"]))
+
+
+def prompt_cost_markdown(pairs: list[dict]) -> str:
+    lines = ["| model | TP | clients | measured: 1/128 over 128/128 | replayed | replay / measured - 1 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {p['model']} | {p['tp']} | {p['clients']} | {p['measured']:.3f} | {p['simulated']:.3f} | "
+              f"{p['simulated'] / p['measured'] - 1:+.1%} |" for p in pairs]
+    return "\n".join(lines)
+
+
 def run(hw_override: dict | None = None, gemm: bool = True,
         serving: bool = True) -> tuple[list[Result], dict[str, dict]]:
     results = table_rows(load(), hw_override, serving)
@@ -502,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(results, after))
     else:
         print(summary_markdown(after_groups))
+    if after is not None and not args.no_serving:
+        print("\nWhat a 128-token prompt costs a serving run (docs/fidelity.md, "
+              "\"The published table against itself\"):\n")
+        print(prompt_cost_markdown(prompt_cost(load(), after)))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
