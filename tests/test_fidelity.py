@@ -3,6 +3,7 @@ bounds docs/fidelity.md states, so a cost-model change that breaks fidelity fail
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -134,8 +135,8 @@ def test_prompt_cost_the_replay_and_the_published_outlier(suite) -> None:
     7B pair at 32 clients is out of line with the table itself, cheaper than at 7B's 16 and 64
     clients and than any other model's at 32, whatever the simulator says."""
     *_, rows = suite
-    results = [fidelity.Result(**{k: r[k] for k in ("id", "group", "split", "measured", "simulated",
-                                                    "unit", "source")}) for r in rows]
+    names = [f.name for f in dataclasses.fields(fidelity.Result)]
+    results = [fidelity.Result(**{k: r[k] for k in names}) for r in rows]
     pairs = fidelity.prompt_cost(fidelity.load(), results)
     assert len(pairs) == 12
     assert statistics.median(abs(p["simulated"] / p["measured"] - 1) for p in pairs) <= 0.03
