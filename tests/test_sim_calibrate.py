@@ -17,14 +17,7 @@ from hlserve.sim.hardware import Hardware
 @pytest.mark.slow
 def test_calibrate_then_predict_a_different_workload(tiny_model_dirs, tmp_path, capsys) -> None:
     model = str(tiny_model_dirs["qwen2"])
-    cal = calibrate(model, quick=True)
-    hw = cal.hardware
-    assert hw.arch == "cpu" and hw.dtype_bytes == 4 and hw.peak_flops > 1e9
-    assert cal.report["gemm_fit"]["median_err"] < 0.3
-    assert cal.report["iteration_fit"]["median_err"] < 0.15
-    path = tmp_path / "cpu.json"
-    write_profile(cal, path)
-    assert Hardware.load(path) == hw
+
     # a different workload: longer prompts, more sessions, throughput mode (calibration used
     # the vllm preset and shorter prompts)
     def within(rep: dict) -> bool:
@@ -32,17 +25,27 @@ def test_calibrate_then_predict_a_different_workload(tiny_model_dirs, tmp_path, 
                 and abs(rep["per_iteration"]["sum_err"]) < 0.25
                 and abs(rep["end_to_end"]["throughput_err"]) < 0.25)
 
-    # timings are CPU time of this process, but a shared machine's other jobs still slow it
-    # (caches, SMT siblings): up to two more tries if a real run was disturbed (in one full
-    # suite run two tries in a row came out at 0.38 median error; alone it passed twice)
-    rep = fidelity(model, hw)
-    for _ in range(2):
+    # Timings are CPU time of this process, but a shared machine's other jobs still slow it
+    # (caches, SMT siblings). Either side can be the disturbed one: in one CI run three
+    # fidelity runs in a row failed the bound, the last 14% faster than the profile
+    # (machine_drift 0.88: the calibration was measured while the machine was slow) with a
+    # drift-corrected throughput error of 2%. Rerunning against the same profile cannot mend that, so each
+    # try calibrates afresh (a few seconds) and then runs the workload.
+    for _ in range(3):
+        cal = calibrate(model, quick=True)
+        rep = fidelity(model, cal.hardware)
         if within(rep):
             break
-        rep = fidelity(model, hw)
+    hw = cal.hardware
+    assert hw.arch == "cpu" and hw.dtype_bytes == 4 and hw.peak_flops > 1e9
+    assert cal.report["gemm_fit"]["median_err"] < 0.3
+    assert cal.report["iteration_fit"]["median_err"] < 0.15
     assert rep["engine_options"] == FIDELITY_OPTIONS
     assert rep["iterations"]["real"] > 50
     assert within(rep), json.dumps(rep, indent=1, default=str)
+    path = tmp_path / "cpu.json"
+    write_profile(cal, path)
+    assert Hardware.load(path) == hw
     # the profile is a hardware profile like the built-in ones
     assert sim_main(["cost", "--hardware", str(path), "--model", model, "--decode-batch", "8",
                      "--context", "1024", "--json"]) == 0
