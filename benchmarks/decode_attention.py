@@ -19,10 +19,10 @@ the result is reported.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,21 +37,32 @@ ROOT = Path(__file__).resolve().parents[1]
 def kernels_at(rev: str) -> object:
     """This project's CPU kernel module compiled from ``rev``'s kernel sources: a git revision,
     or a directory holding the files being tried (this checkout's for the others). It has its
-    own module name and build directory, so it loads beside this checkout's build."""
+    own module name and build directory, so it loads beside this checkout's build. The build
+    is kept in the kernel cache under a hash of the sources and flags, so timing against the
+    same revision again (or another that did not change the kernels) does not recompile."""
     from torch.utils import cpp_extension
 
-    src = Path(tempfile.mkdtemp(prefix="hlserve-kernel-"))
+    texts: dict[str, str] = {}
     for path in [*cpu_kernels._SOURCES, *cpu_kernels._HEADERS]:
         if Path(rev).is_dir():  # a variant being tried: the files it has, this checkout's else
             own = Path(rev) / path.name
-            (src / path.name).write_text((own if own.exists() else path).read_text())
+            texts[path.name] = (own if own.exists() else path).read_text()
             continue
         rel = path.relative_to(ROOT)
         text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
                               text=True)
         if text.returncode == 0:  # a header that revision did not have is not needed by it
-            (src / path.name).write_text(text.stdout)
-    print(f"building the kernels at {rev} (about a minute) ...", flush=True)
+            texts[path.name] = text.stdout
+    key = hashlib.sha256("\n".join([*(f"{n}\n{t}" for n, t in texts.items()), torch.__version__,
+                                    cpu_kernels._cpu_flags(), " ".join(cpu_kernels._flags())])
+                         .encode()).hexdigest()[:16]
+    src = cpu_kernels.cache_root() / f"cpu_kernels_at_{key}"
+    src.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        if not (src / name).exists() or (src / name).read_text() != text:
+            (src / name).write_text(text)
+    if not any(src.glob("*.so")):
+        print(f"building the kernels at {rev} (about a minute) ...", flush=True)
     return cpp_extension.load(
         name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._flags(),
         sources=[str(src / p.name) for p in cpu_kernels._SOURCES], extra_ldflags=["-fopenmp"],

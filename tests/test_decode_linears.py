@@ -214,7 +214,9 @@ def test_decode_linears_benchmark_runs_its_table(capsys, monkeypatch) -> None:
 @needs_pairs
 def test_decode_linears_benchmark_times_another_build(capsys, monkeypatch) -> None:
     """``--against`` compiles the kernels from a directory of sources (here this checkout's
-    own) and times that build's kernel in oneDNN's place: the same table, named for it."""
+    own) and times that build's kernel in oneDNN's place: the same table, named for it. The
+    build is kept under a hash of its sources, so asking for the same sources again loads it
+    without compiling."""
     bench = load_benchmark("decode_linears")
     csrc = Path(__file__).resolve().parent.parent / "src" / "hlserve" / "models" / "csrc"
     monkeypatch.setattr("sys.argv", ["decode_linears.py", "--rows", "7", "--rounds", "1",
@@ -224,3 +226,5 @@ def test_decode_linears_benchmark_times_another_build(capsys, monkeypatch) -> No
     assert f"| rows | kernel at {csrc} ms (GB/s) |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 7 ")]
     assert len(rows) == 1 and rows[0].count("|") == 5, rows
+    bench.kernels_at(str(csrc))
+    assert "building the kernels" not in capsys.readouterr().out

@@ -92,9 +92,13 @@ def build_dir() -> Path:
     # checkouts of the same sources sharing one directory rebuilt it for each other in turn
     key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(), " ".join(_flags()),
                                     str(_SOURCES[0].parent.resolve())]).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("HLSERVE_KERNEL_CACHE")
+    return cache_root() / f"cpu_kernels_{key}"
+
+
+def cache_root() -> Path:
+    """The directory kernel builds are kept in: ``HLSERVE_KERNEL_CACHE`` or ~/.cache/hlserve."""
+    return Path(os.environ.get("HLSERVE_KERNEL_CACHE")
                 or Path.home() / ".cache" / "hlserve" / "kernels")
-    return root / f"cpu_kernels_{key}"
 
 
 def _build() -> object:
