@@ -48,19 +48,22 @@ AFTER = {  # group: (held-out median, held-out worst)
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict, list[dict]]:
     """The whole suite but the GEMM rows (their own test below), most of it the serving
     replays: the shipped profiles here, the corrections in the script itself (``--part
-    after``) in a second process at the same time, so two cores take half the time."""
+    after``) in a second process at the same time, so two cores take half the time. The
+    in-process fit the script's corrections are checked against runs while the script does
+    (the script's part is the longer: its own fit, then every row again)."""
     out = tmp_path_factory.mktemp("fidelity") / "after.json"
     script = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fidelity.py"),
                                "--part", "after", "--no-gemm", "--json", str(out)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _, before = fidelity.run(gemm=False)
+        corrections = fidelity.fit_corrections(fidelity.load())
         _, err = script.communicate(timeout=900)
     finally:
         script.kill()
     assert script.returncode == 0, err[-2000:]
     got = json.loads(out.read_text())
-    assert got["corrections"] == fidelity.fit_corrections(fidelity.load())
+    assert got["corrections"] == corrections
     return before, got["after"]["groups"], got["corrections"], got["after"]["rows"]
 
 
