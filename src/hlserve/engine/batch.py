@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hlserve.models.config import ModelConfig
 from hlserve.request import Request, TokenLogprobs
@@ -73,16 +74,31 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
+        return self._counts[0]
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs if s.is_prefill)
+        return self._counts[1]
 
     @property
     def num_decodes(self) -> int:
         """Decoding requests, speculating ones included."""
-        return sum(1 for s in self.seqs if not s.is_prefill)
+        return self._counts[2]
+
+    @cached_property
+    def _counts(self) -> tuple[int, int, int]:
+        """(tokens, prefill tokens, decodes) in one pass, once: the engine, the scheduler and
+        the step's observers each read them every iteration (a batch is not changed once
+        built: a retry after a failed forward builds a new one)."""
+        tokens = prefill = decodes = 0
+        for s in self.seqs:
+            q = s.num_tokens
+            tokens += q
+            if s.start > 0 and (q == 1 or s.draft):  # not ScheduledSeq.is_prefill, inlined
+                decodes += 1
+            else:
+                prefill += q
+        return tokens, prefill, decodes
 
     def __len__(self) -> int:
         return len(self.seqs)
