@@ -190,8 +190,8 @@ def serving_replay(data: dict, row: dict, hw: Hardware) -> Replay:
     assert tokens == row["concurrency"] * row["rounds"] * row["output"], row["id"]
     gaps = sorted(float(b - a) for r in result.records
                   for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False))
-    first = statistics.mean(r.first - r.start for r in result.records)
-    return Replay(tokens / result.duration, gaps[int(0.5 * len(gaps))], statistics.mean(gaps),
+    first = statistics.fmean(r.first - r.start for r in result.records)
+    return Replay(tokens / result.duration, gaps[int(0.5 * len(gaps))], statistics.fmean(gaps),
                   gaps[int(0.99 * len(gaps))], first)
 
 
