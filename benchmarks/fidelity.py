@@ -3,7 +3,8 @@ source, the simulated value and the error, and the median and worst |error| per 
 
 Groups: attention (kernel TFLOP/s by sequence length), single-request (time to first token),
 large-batch decode (static-batch output throughput), serving (in-flight batching at a fixed
-concurrency, replayed through the simulated engine), mixed-batch (a prefill chunk with decodes
+concurrency, replayed through the simulated engine), serving at once (every request of a run
+sent together, each with its recorded prompt and output length, replayed the same way), mixed-batch (a prefill chunk with decodes
 riding along) and GEMM held-out rows (Vidur's operator profiles, refitted on part of the rows
 and scored on the rest, and the A100 fit carried to H100 the way H20 borrows H100's fit).
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from hlserve.driver.closed_loop import Loop, run_closed_loop
 from hlserve.models.config import ModelConfig
-from hlserve.sim.build import build_sim_engine
+from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.models import _shape
@@ -139,6 +140,7 @@ class _Client:
     input: int
     output: int
     round: int = 0
+    first_block: int | None = None  # where its prompt's blocks start (clients of one length: derived)
 
     @property
     def done(self) -> bool:
@@ -146,7 +148,8 @@ class _Client:
 
     def next_request(self) -> tuple[list[int], int]:
         blocks = -(-self.input // BLOCK)
-        first = (self.session_id * self.rounds + self.round) * blocks
+        first = ((self.session_id * self.rounds + self.round) * blocks if self.first_block is None
+                 else self.first_block + self.round * blocks)
         r = TraceRequest(0, 0.0, self.input, self.output, tuple(range(first, first + blocks)), None)
         return MooncakeTrace([r]).prompt(r), self.output
 
@@ -195,6 +198,32 @@ def serving_replay(data: dict, row: dict, hw: Hardware) -> Replay:
                   gaps[int(0.99 * len(gaps))], first)
 
 
+def at_once_replay(data: dict, row: dict, hw: Hardware) -> float:
+    """Output tokens per second of a run that sent all its requests at once (``request_rate``
+    inf), replayed through the simulated engine with the measured engine's settings: each
+    request its recorded prompt length and its recorded output length (at least one token: a
+    request that returned only EOS counts 0), the KV pool from the stated share of device
+    memory, whole prompts up to the prefill token budget, no prefix cache. The rate is the
+    measuring script's: the recorded output tokens over the run's duration."""
+    m = data["models"][row["model"]]
+    prompts = data["request_sets"][row["prompts"]]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.json"
+        path.write_text(json.dumps(_hf_config(m, row["max_model_len"])))
+        engine = build_sim_engine(
+            str(path), hw, tp=row["tp"], sim=SimOptions(mem_util=row["gpu_memory_utilization"]),
+            max_num_seqs=row["max_num_seqs"], enable_prefix_caching=False,
+            page_size=row["block_tokens"], max_model_len=row["max_model_len"],
+            max_prefill_tokens=row["max_num_batched_tokens"], chunk_size=None)
+        clients, first = [], 0
+        for i, (n, out) in enumerate(zip(prompts, row["output_lens"], strict=True)):
+            clients.append(_Client(i, 1, n, max(1, out), first_block=first))
+            first += -(-n // BLOCK)
+        result = run_closed_loop(engine, clients.__getitem__, len(clients), Loop())
+    assert all(r.success for r in result.records), row["id"]
+    return sum(row["output_lens"]) / result.duration
+
+
 def host_ms(cm: CostModel, row: dict) -> float:
     hw, n = cm.hw, row["batch"]
     return 1e3 * (hw.iter_overhead + hw.host_overhead + (hw.seq_overhead + hw.host_seq_overhead) * n)
@@ -239,6 +268,8 @@ def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
         return attn_prefill_tflops(hw, row)
     if row["kind"] == "serving_out_tps":
         return serving_replay(data, row, hw).out_tps
+    if row["kind"] == "serving_at_once_out_tps":
+        return at_once_replay(data, row, hw)
     cm = CostModel(model_of(data, row["model"]), hw, row.get("tp", 1))
     fn = {"first_token_ms": first_token_ms, "static_batch_out_tps": static_batch_out_tps,
           "mixed_over_prefill": mixed_over_prefill, "attn_layer_ms": attn_layer_ms,
@@ -248,6 +279,7 @@ def simulate(data: dict, row: dict, hw_override: dict | None = None) -> float:
 
 
 STEP_GROUP = "serving: p50 token latency"
+SERVING_KINDS = ("serving_out_tps", "serving_at_once_out_tps")  # the engine replays
 
 
 def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True) -> list[Result]:
@@ -255,7 +287,7 @@ def table_rows(data: dict, hw_override: dict | None = None, serving: bool = True
     reports it) its median per-token latency, from the one replay."""
     out = []
     for r in data["rows"]:
-        if r["kind"] == "serving_out_tps" and not serving:
+        if r["kind"] in SERVING_KINDS and not serving:
             continue
         source = (f"{data['sources'][r['source']].split(' at ')[0].split(' (')[0]}: "
                   f"{r['where']} ({r['engine']})")

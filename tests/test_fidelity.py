@@ -33,6 +33,7 @@ BEFORE = {  # group: (median, worst) over the scored rows
     "serving": (0.11, 0.30),
     "serving: p50 token latency": (0.15, 0.33),  # InternLM-20B at TP 2: Vidur's all-reduce
     "mixed-batch": (0.05, 0.05),
+    "serving at once": (0.05, 0.13),  # vLLM, 640 requests in flight, TP 1 and 4, A100 and H100
 }
 AFTER = {  # group: (held-out median, held-out worst)
     "attention (FA3, H100)": (0.03, 0.03),
@@ -41,6 +42,9 @@ AFTER = {  # group: (held-out median, held-out worst)
     # carry (docs/fidelity.md, "Against the issue's bounds"); the step itself is the next line
     "serving": (0.05, 0.40),
     "serving: p50 token latency": (0.05, 0.10),
+    # worst: not met, Llama-3-8B on H100 (+16.7%): the decode bandwidth fitted on
+    # TensorRT-LLM's kernel is faster than vLLM's (docs/fidelity.md, "Serving at once")
+    "serving at once": (0.07, 0.17),
 }
 
 
@@ -118,6 +122,26 @@ def test_corrections_move_the_rows_they_target(suite) -> None:
         alpha = fixes[f"{fidelity.TM}:{fidelity.AR_ALPHA}{tp}"] * 1e-6
         assert 0 < alpha < HARDWARE["A100"].allreduce_params(tp)[0]
     assert before["serving: p50 token latency"]["heldout_worst"] > 0.25
+
+
+def test_serving_at_once_rows_replay_every_recorded_request(suite) -> None:
+    """The vLLM runs that sent 640 ShareGPT requests at once: every request is replayed with its
+    recorded prompt and output length (the lengths sum to the run's recorded totals), at TP 1
+    and 4 on A100 and H100, none used in a fit; the shipped profiles meet the issue's serving
+    bound there (median <= 10%, worst <= 15%)."""
+    data = fidelity.load()
+    prompts = data["request_sets"]["lambda-sharegpt-640"]
+    assert len(prompts) == 640 and sum(prompts) == 129604
+    rows = [r for r in data["rows"] if r["kind"] == "serving_at_once_out_tps"]
+    assert {(r["gpu"], r["tp"]) for r in rows} == {("A100", 1), ("H100", 1), ("A100", 4), ("H100", 4)}
+    for r in rows:
+        assert r["split"] == "heldout" and len(r["output_lens"]) == len(prompts)
+        assert f"= {sum(r['output_lens'])} tokens /" in r["where"]
+    before, after, _, after_rows = suite
+    assert before["serving at once"]["heldout_rows"] == 4
+    assert before["serving at once"]["heldout_median"] <= 0.10
+    assert before["serving at once"]["heldout_worst"] <= 0.15
+    assert {r["id"] for r in after_rows if r["group"] == "serving at once"} == {r["id"] for r in rows}
 
 
 def test_allreduce_sensitivity_scales_by_the_fitted_ratios(suite) -> None:
