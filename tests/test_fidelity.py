@@ -137,7 +137,7 @@ def test_serving_at_once_rows_replay_every_recorded_request(suite) -> None:
     for r in rows:
         assert r["split"] == "heldout" and len(r["output_lens"]) == len(prompts)
         assert f"= {sum(r['output_lens'])} tokens /" in r["where"]
-    before, after, _, after_rows = suite
+    before, _, _, after_rows = suite
     assert before["serving at once"]["heldout_rows"] == 4
     assert before["serving at once"]["heldout_median"] <= 0.10
     assert before["serving at once"]["heldout_worst"] <= 0.15
