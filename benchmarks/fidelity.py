@@ -4,9 +4,10 @@ source, the simulated value and the error, and the median and worst |error| per 
 Groups: attention (kernel TFLOP/s by sequence length), single-request (time to first token),
 large-batch decode (static-batch output throughput), serving (in-flight batching at a fixed
 concurrency, replayed through the simulated engine), serving at once (every request of a run
-sent together, each with its recorded prompt and output length, replayed the same way), mixed-batch (a prefill chunk with decodes
-riding along) and GEMM held-out rows (Vidur's operator profiles, refitted on part of the rows
-and scored on the rest, and the A100 fit carried to H100 the way H20 borrows H100's fit).
+sent together, each with its recorded prompt and output length, replayed the same way),
+mixed-batch (a prefill chunk with decodes riding along) and GEMM held-out rows (Vidur's
+operator profiles, refitted on part of the rows and scored on the rest, and the A100 fit
+carried to H100 the way H20 borrows H100's fit).
 
     python benchmarks/fidelity.py                # the tables of docs/fidelity.md (~4 minutes)
     python benchmarks/fidelity.py --json out.json
