@@ -19,7 +19,6 @@ the result is reported.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
 import statistics
 import subprocess
@@ -53,9 +52,7 @@ def kernels_at(rev: str) -> object:
                               text=True)
         if text.returncode == 0:  # a header that revision did not have is not needed by it
             texts[path.name] = text.stdout
-    key = hashlib.sha256("\n".join([*(f"{n}\n{t}" for n, t in texts.items()), torch.__version__,
-                                    cpu_kernels._cpu_flags(), " ".join(cpu_kernels._flags())])
-                         .encode()).hexdigest()[:16]
+    key = cpu_kernels.build_key([f"{n}\n{t}" for n, t in texts.items()])
     src = cpu_kernels.cache_root() / f"cpu_kernels_at_{key}"
     src.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():

@@ -26,10 +26,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.closed_loop import Loop, LoopResult, run_closed_loop
 from hlserve.models.config import ModelConfig
 from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
@@ -141,7 +142,7 @@ class _Client:
     input: int
     output: int
     round: int = 0
-    first_block: int | None = None  # where its prompt's blocks start (clients of one length: derived)
+    first_block: int | None = None  # where its prompts' blocks start (None: from its number)
 
     @property
     def done(self) -> bool:
@@ -173,23 +174,30 @@ class Replay:
     mean_first_token_s: float
 
 
+def _replay(m: dict, max_len: int, hw: Hardware, tp: int, clients: list[_Client], loop: Loop,
+            sim: SimOptions | None = None, **options: Any) -> LoopResult:
+    """``clients`` run through the simulated engine of model ``m`` (a rows-file model) with
+    the measured engine's ``options``: whole prompts (no chunking), no prefix cache."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.json"
+        path.write_text(json.dumps(_hf_config(m, max_len)))
+        engine = build_sim_engine(str(path), hw, tp=tp, sim=sim or SimOptions(), enable_prefix_caching=False,
+                                  max_model_len=max_len, chunk_size=None, **options)
+        return run_closed_loop(engine, clients.__getitem__, len(clients), loop)
+
+
 def serving_replay(data: dict, row: dict, hw: Hardware) -> Replay:
     """A fixed-concurrency serving run replayed through the simulated engine (the real
     scheduler and KV cache on virtual time) with the measured engine's settings: its
     running-request cap, its KV pool (blocks x tokens per block, as pages of that size), its
     longest sequence and its prefill tokens per iteration, whole prompts (no chunking), no
     prefix cache. The clock starts when the clients do, as the measuring script's does."""
-    m = data["models"][row["model"]]
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "config.json"
-        path.write_text(json.dumps(_hf_config(m, row["session_len"])))
-        engine = build_sim_engine(
-            str(path), hw, tp=row["tp"], max_num_seqs=row["max_batch"], enable_prefix_caching=False,
-            page_size=row["block_tokens"], num_pages=row["kv_blocks"], max_model_len=row["session_len"],
-            max_prefill_tokens=row["max_context_tokens"], chunk_size=None)
-        clients = [_Client(i, row["rounds"], row["input"], row["output"])
-                   for i in range(row["concurrency"])]
-        result = run_closed_loop(engine, clients.__getitem__, len(clients), Loop(token_times=True))
+    clients = [_Client(i, row["rounds"], row["input"], row["output"])
+               for i in range(row["concurrency"])]
+    result = _replay(data["models"][row["model"]], row["session_len"], hw, row["tp"], clients,
+                     Loop(token_times=True), max_num_seqs=row["max_batch"],
+                     page_size=row["block_tokens"], num_pages=row["kv_blocks"],
+                     max_prefill_tokens=row["max_context_tokens"])
     tokens = sum(r.output_tokens for r in result.records)
     assert tokens == row["concurrency"] * row["rounds"] * row["output"], row["id"]
     gaps = sorted(float(b - a) for r in result.records
@@ -206,21 +214,15 @@ def at_once_replay(data: dict, row: dict, hw: Hardware) -> float:
     request that returned only EOS counts 0), the KV pool from the stated share of device
     memory, whole prompts up to the prefill token budget, no prefix cache. The rate is the
     measuring script's: the recorded output tokens over the run's duration."""
-    m = data["models"][row["model"]]
-    prompts = data["request_sets"][row["prompts"]]
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "config.json"
-        path.write_text(json.dumps(_hf_config(m, row["max_model_len"])))
-        engine = build_sim_engine(
-            str(path), hw, tp=row["tp"], sim=SimOptions(mem_util=row["gpu_memory_utilization"]),
-            max_num_seqs=row["max_num_seqs"], enable_prefix_caching=False,
-            page_size=row["block_tokens"], max_model_len=row["max_model_len"],
-            max_prefill_tokens=row["max_num_batched_tokens"], chunk_size=None)
-        clients, first = [], 0
-        for i, (n, out) in enumerate(zip(prompts, row["output_lens"], strict=True)):
-            clients.append(_Client(i, 1, n, max(1, out), first_block=first))
-            first += -(-n // BLOCK)
-        result = run_closed_loop(engine, clients.__getitem__, len(clients), Loop())
+    clients, first = [], 0
+    for i, (n, out) in enumerate(zip(data["request_sets"][row["prompts"]], row["output_lens"],
+                                     strict=True)):
+        clients.append(_Client(i, 1, n, max(1, out), first_block=first))
+        first += -(-n // BLOCK)
+    result = _replay(data["models"][row["model"]], row["max_model_len"], hw, row["tp"], clients,
+                     Loop(), SimOptions(mem_util=row["gpu_memory_utilization"]),
+                     max_num_seqs=row["max_num_seqs"], page_size=row["block_tokens"],
+                     max_prefill_tokens=row["max_num_batched_tokens"])
     assert all(r.success for r in result.records), row["id"]
     return sum(row["output_lens"]) / result.duration
 

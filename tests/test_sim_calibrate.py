@@ -29,8 +29,8 @@ def test_calibrate_then_predict_a_different_workload(tiny_model_dirs, tmp_path, 
     # (caches, SMT siblings). Either side can be the disturbed one: in one CI run three
     # fidelity runs in a row failed the bound, the last 14% faster than the profile
     # (machine_drift 0.88: the calibration was measured while the machine was slow) with a
-    # drift-corrected throughput error of 2%. Rerunning against the same profile cannot mend that, so each
-    # try calibrates afresh (a few seconds) and then runs the workload.
+    # drift-corrected throughput error of 2%. Rerunning against the same profile cannot mend
+    # that, so each try calibrates afresh (a few seconds) and then runs the workload.
     for _ in range(3):
         cal = calibrate(model, quick=True)
         rep = fidelity(model, cal.hardware)

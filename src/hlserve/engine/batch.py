@@ -94,10 +94,10 @@ class Batch:
         for s in self.seqs:
             q = s.num_tokens
             tokens += q
-            if s.start > 0 and (q == 1 or s.draft):  # not ScheduledSeq.is_prefill, inlined
-                decodes += 1
-            else:
+            if s.is_prefill:
                 prefill += q
+            else:
+                decodes += 1
         return tokens, prefill, decodes
 
     def __len__(self) -> int:

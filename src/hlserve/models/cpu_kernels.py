@@ -90,9 +90,14 @@ def build_dir() -> Path:
     texts = [src.read_text() for src in [*_SOURCES, *_HEADERS]]
     # the sources' directory too: ninja's build file names them by absolute path, so two
     # checkouts of the same sources sharing one directory rebuilt it for each other in turn
-    key = hashlib.sha256("\n".join([*texts, torch.__version__, _cpu_flags(), " ".join(_flags()),
-                                    str(_SOURCES[0].parent.resolve())]).encode()).hexdigest()[:16]
-    return cache_root() / f"cpu_kernels_{key}"
+    return cache_root() / f"cpu_kernels_{build_key(texts, str(_SOURCES[0].parent.resolve()))}"
+
+
+def build_key(texts: list[str], *extra: str) -> str:
+    """A build's cache key: its sources' texts, then what else makes the binary differ (the
+    torch version, this CPU's flags, the compiler flags) and ``extra``."""
+    parts = [*texts, torch.__version__, _cpu_flags(), " ".join(_flags()), *extra]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def cache_root() -> Path:
