@@ -388,17 +388,13 @@ def turbomind_allreduce(fixes: dict[str, float]) -> dict[int, tuple[float, float
 def gemm_heldout() -> list[Result]:
     """Vidur GEMM profiles: (1) H100 refitted on TP 1-2 rows, scored on TP 4-8 rows (other
     shapes); (2) the A100 fit carried to H100 through the ridge point, scored on all H100
-    rows. Empty when the profiles are not present."""
+    rows."""
     from hlserve.sim.fitting import (
         VIDUR_GPUS,
-        find_data_dir,
         fit_gemm,
         gemm_time_np,
         load_vidur_ops,
     )
-
-    if find_data_dir() is None:
-        return []
     out = []
     h100, _ = load_vidur_ops("h100")
     a100, _ = load_vidur_ops("a100")

@@ -4,7 +4,7 @@
     python benchmarks/sim_mooncake.py --time-scale 0.2        # arrivals 5x slower
     python benchmarks/sim_mooncake.py --trace PATH.jsonl      # any Mooncake-format trace
 
-The default trace is the project's shared data beside the repository (``shared/data``).
+The default trace is the Mooncake conversation trace shipped in the package (``src/hlserve/data``).
 
 Runs the same arrivals through SGLang's, vLLM's and Sarathi's presets and throughput mode on
 8xH20 serving Qwen2.5-32B (the study's machine), and prints throughput, latency percentiles
@@ -22,9 +22,10 @@ from pathlib import Path
 
 from hlserve.sim.build import build_sim_engine
 from hlserve.sim.drive import run_open_loop
+from hlserve.sim.fitting import find_data_dir
 from hlserve.workloads import BLOCK, MooncakeTrace, trace_arrivals
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = find_data_dir() / "mooncake_conversation_trace.jsonl"
 SYSTEMS = (("sglang", {"preset": "sglang"}), ("vllm", {"preset": "vllm"}),
            ("sarathi", {"preset": "sarathi"}), ("throughput", {"mode": "throughput"}))
 

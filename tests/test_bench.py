@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hlserve.bench.serve_bench import BenchSpec, run_bench
 from hlserve.server.launch import ServerProcess
+from hlserve.sim.fitting import find_data_dir
 
 MODEL = "tiny"
 MAX_LEN = 2048
@@ -200,10 +201,7 @@ def test_chat_and_trace_workloads(server, tmp_path: Path) -> None:
     assert chat["completed"] == 8 and chat["failed"] == 0
     assert chat["slo_attainment"] == 1.0
     assert chat["request_goodput"] == pytest.approx(chat["request_throughput"])
-    trace = Path(__file__).resolve().parents[2] / "shared" / "data" / \
-        "mooncake_conversation_trace.jsonl"
-    if not trace.exists():
-        pytest.skip("shared/data is not beside the repository")
+    trace = find_data_dir() / "mooncake_conversation_trace.jsonl"
     rep = run_bench(BenchSpec(base_url=server.url, workload="trace", trace=str(trace),
                               trace_limit=10, length_scale=0.02, output_scale=0.02,
                               time_scale=100.0, progress=False, timeout=120))

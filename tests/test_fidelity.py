@@ -224,7 +224,6 @@ def test_serving_replay_runs_the_measured_engines_settings() -> None:
     assert tight.p50_token_s < full.p50_token_s
 
 
-@pytest.mark.skipif(fitting.find_data_dir() is None, reason="Vidur profiles not found")
 def test_gemm_heldout_rows() -> None:
     rows = fidelity.gemm_heldout()
     assert len(rows) == 8
@@ -241,7 +240,6 @@ def test_script_runs_whole(tmp_path: Path) -> None:
     assert got["before"]["groups"]["single-request"]["rows"] == 4
 
 
-@pytest.mark.skipif(fitting.find_data_dir() is None, reason="Vidur profiles not found")
 def test_model_error_perturbations_come_from_the_suite_residuals() -> None:
     """benchmarks/study_model_error.py draws its perturbations from the suite's residuals:
     each term moves by one of them, in the direction the residual's sign says."""

@@ -12,11 +12,6 @@ from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import HARDWARE, Hardware, get_hardware, parse_cluster
 from hlserve.sim.models import MODELS, resolve_model
 
-needs_data = pytest.mark.skipif(fitting.find_data_dir() is None,
-                                reason="Vidur profiles not found (set HLSERVE_DATA_DIR)")
-
-
-@needs_data
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
 def test_gemm_fit_reproduces_vidur_profiles(gpu: str) -> None:
     """The fitted efficiency curve reproduces the GEMM profiles it was fitted to: median
@@ -35,7 +30,6 @@ def test_gemm_fit_reproduces_vidur_profiles(gpu: str) -> None:
     assert 0.65 <= hw.gemm_eta_max <= 0.85
 
 
-@needs_data
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
 def test_allreduce_fit(gpu: str) -> None:
     for n, (sizes, times) in fitting.load_vidur_allreduce(gpu).items():
@@ -170,3 +164,19 @@ def test_a_decode_kernel_that_splits_the_query_group_reads_kv_more_often() -> No
     assert attn(4, decode, "attention decode") == pytest.approx(2 * once, rel=0.01)
     assert attn(3, decode, "attention decode") == pytest.approx(3 * once, rel=0.01)
     assert attn(4, prefill, "attention prefill") == attn(0, prefill, "attention prefill")
+
+
+def test_public_data_ships_with_the_package(monkeypatch, tmp_path) -> None:
+    """The Vidur profiles and Mooncake traces come with the package (a fresh clone needs
+    nothing beside it), each with its licence; HLSERVE_DATA_DIR still points elsewhere."""
+    monkeypatch.delenv("HLSERVE_DATA_DIR", raising=False)
+    data = fitting.find_data_dir()
+    for gpu, (compute, network, _, _) in fitting.VIDUR_GPUS.items():
+        assert (data / "vidur" / compute).is_file() and (data / "vidur" / network).is_file(), gpu
+    assert (data / "mooncake_conversation_trace.jsonl").is_file()
+    assert "MIT License" in (data / "vidur" / "LICENSE").read_text()
+    assert "Apache License" in (data / "LICENSE-Apache-2.0").read_text()
+    monkeypatch.setenv("HLSERVE_DATA_DIR", str(tmp_path))
+    assert fitting.find_data_dir() == tmp_path
+    with pytest.raises(FileNotFoundError, match="HLSERVE_DATA_DIR"):
+        fitting.load_vidur_ops("a100")

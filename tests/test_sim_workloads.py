@@ -53,7 +53,6 @@ def test_mooncake_prefixes_and_chains(tmp_path) -> None:
     assert tr.stats()["continuations"] == 3
 
 
-@pytest.mark.skipif(find_data_dir() is None, reason="Mooncake traces not found")
 def test_real_trace_chains() -> None:
     """README: about 3,500 of 12,031 conversation requests continue an earlier one."""
     tr = MooncakeTrace.load(find_data_dir() / "mooncake_conversation_trace.jsonl")

@@ -28,8 +28,6 @@ def _bench():
 @pytest.fixture(scope="module")
 def terms() -> list[me.Term]:
     """The five terms with the fidelity suite's real residuals (seconds: no serving replays)."""
-    if fitting.find_data_dir() is None:
-        pytest.skip("Vidur profiles not found (the GEMM residuals)")
     return _bench().terms()
 
 

@@ -34,22 +34,20 @@ GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 ELEM_OPS = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add")
 
 
-def find_data_dir() -> Path | None:
-    """``$HLSERVE_DATA_DIR``, else ``shared/data`` beside or above the repository."""
+# the public data shipped inside the package (its README names each file's source and licence)
+PACKAGE_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def find_data_dir() -> Path:
+    """``$HLSERVE_DATA_DIR`` where set (a folder of the same layout), else the package's own
+    ``data/``."""
     env = os.environ.get("HLSERVE_DATA_DIR")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        for cand in (parent / "shared" / "data", parent / "data"):
-            if (cand / "vidur").is_dir():
-                return cand
-    return None
+    return Path(env) if env else PACKAGE_DATA
 
 
 def _data_dir(data_dir: Path | None) -> Path:
     d = data_dir or find_data_dir()
-    if d is None or not (d / "vidur").is_dir():
+    if not (d / "vidur").is_dir():
         raise FileNotFoundError("Vidur profiles not found: set HLSERVE_DATA_DIR to the data folder")
     return d
 
