@@ -19,7 +19,7 @@ import torch
 from hlserve.driver.closed_loop import run_agent_sessions
 from hlserve.llm import build_engine
 from hlserve.models.default_model import default_model
-from hlserve.workloads import AgentWorkload
+from hlserve.driver.workloads import AgentWorkload
 
 CONFIGS: dict[str, dict[str, object]] = {
     "throughput": {"mode": "throughput"},

@@ -16,8 +16,8 @@ import pstats
 import time
 
 from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_agent_steady
-from hlserve.workloads import AgentWorkload
+from hlserve.study.drive import run_agent_steady
+from hlserve.driver.workloads import AgentWorkload
 
 
 def main() -> None:
