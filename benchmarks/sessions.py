@@ -66,10 +66,10 @@ from hlserve.driver.one_model import OneModel
 from hlserve.driver.records import session_completion
 from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
 from hlserve.driver.session_arms import SESSION_ARMS, session_arm_options
-from hlserve.engine.args import parse_engine_args
 from hlserve.driver.stats import fmt_ci
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload, Dist
+from hlserve.engine.args import parse_engine_args
 
 ARMS = SESSION_ARMS
 BASELINE = "lpm"

@@ -20,9 +20,9 @@ import argparse
 import time
 from pathlib import Path
 
+from hlserve.driver.workloads import BLOCK, MooncakeTrace, trace_arrivals
 from hlserve.sim.build import build_sim_engine
 from hlserve.study.drive import run_open_loop
-from hlserve.driver.workloads import BLOCK, MooncakeTrace, trace_arrivals
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 SYSTEMS = (("sglang", {"preset": "sglang"}), ("vllm", {"preset": "vllm"}),

@@ -42,13 +42,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.one_model import OneModel
 from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
-from hlserve.engine.args import parse_engine_args
 from hlserve.driver.stats import fmt_ci
 from hlserve.driver.workloads import AgentWorkload
+from hlserve.engine.args import parse_engine_args
 
 WORKLOADS = ("agent", "coding")
 RATIO_METRICS = ("tokens_per_step", "total_token_throughput", "output_throughput")

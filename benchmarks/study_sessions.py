@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.session_arms import SESSION_ARMS, session_arm_options
-from hlserve.study.core import StudyPoint, StudySpec, run_point
 from hlserve.driver.stats import clean, fmt_ci, mean_ci, ratio_ci
+from hlserve.study.core import StudyPoint, StudySpec, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "study_sessions.json"

@@ -33,10 +33,10 @@ from typing import Any
 from tqdm import tqdm
 
 from hlserve.driver import points as shared
-from hlserve.sim.build import SimOptions
-from hlserve.sim.acceptance_profile import AcceptanceProfile
-from hlserve.study.core import PRODUCTION_SLO, StudyPoint, StudySpec, run_point, throughput
 from hlserve.driver.stats import fmt_ci, mean_ci
+from hlserve.sim.acceptance_profile import AcceptanceProfile
+from hlserve.sim.build import SimOptions
+from hlserve.study.core import PRODUCTION_SLO, StudyPoint, StudySpec, run_point, throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs/study/h20-speculation"

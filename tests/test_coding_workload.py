@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hlserve.bench.serve_bench import BenchSpec, run_bench
-from hlserve.driver.coding_workload import CodingWorkload, Repository
 from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.coding_workload import CodingWorkload, Repository
 from hlserve.errors import ModelLoadError
 from hlserve.models.resolve import resolve_model
 from hlserve.server.launch import ServerProcess

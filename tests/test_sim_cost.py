@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hlserve.sim import fitting
 from hlserve.cli.simulate import main as sim_main
+from hlserve.sim import fitting
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import HARDWARE, Hardware, get_hardware, parse_cluster
 from hlserve.sim.model_specs import MODELS, resolve_model_spec

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from hlserve.request import SamplingParams
-from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.acceptance_profile import AcceptanceProfile
+from hlserve.sim.build import SimOptions, build_sim_engine
 
 NGRAM3 = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 

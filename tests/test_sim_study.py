@@ -11,8 +11,8 @@ import pytest
 
 from hlserve.cli.simulate import main as sim_main
 from hlserve.study.core import StudyPoint, StudySpec, human_tax, pareto, system_options
-from hlserve.study.study_report import report
 from hlserve.study.runs import _done, run_study
+from hlserve.study.study_report import report
 
 
 def test_pareto_and_tax() -> None:
@@ -144,9 +144,9 @@ def test_stall_metrics_and_turnover() -> None:
 def test_sessions_ended_in_window_count_long_sessions() -> None:
     """A session that starts before the window and ends inside it counts as ended there, but
     not in ``session_times`` (which needs the whole session inside the window)."""
+    from hlserve.driver.workloads import AgentWorkload
     from hlserve.sim.build import build_sim_engine
     from hlserve.study.drive import run_agent_steady
-    from hlserve.driver.workloads import AgentWorkload
 
     engine = build_sim_engine("Qwen2.5-7B", "H100", 1, max_model_len=8192 + 4096, mode="throughput")
     workload = AgentWorkload.for_context(8192, 8, rounds=3, vocab=(3, 4096))

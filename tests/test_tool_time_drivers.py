@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.closed_loop import run_agent_sessions, run_closed_loop
+from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.records import RequestRecord, headline, summarize
-from hlserve.llm import build_engine
-from hlserve.sim.build import build_sim_engine
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
+from hlserve.llm import build_engine
+from hlserve.sim.build import build_sim_engine
 
 SMALL = AgentWorkload(sessions=5, rounds=3, system_prompt_len=2048, task_len=128,
                       tool_output_len=(500, 2000), output_len=(10, 30), vocab=(3, 150000),

@@ -41,8 +41,8 @@ class DemoSpec:
 def _real_run(spec: DemoSpec, common: dict[str, Any], options: dict[str, Any],
               seed: int) -> dict[str, Any]:
     from hlserve.driver.closed_loop import run_agent_sessions
-    from hlserve.llm import build_engine
     from hlserve.driver.workloads import AgentWorkload
+    from hlserve.llm import build_engine
 
     engine = build_engine(spec.model, **{**common, **options})
     workload = AgentWorkload(sessions=spec.sessions, rounds=spec.rounds,

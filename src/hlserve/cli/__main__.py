@@ -5,4 +5,5 @@ import sys
 
 from hlserve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when merely imported (a walk over the package's modules)
+    sys.exit(main())

@@ -203,8 +203,8 @@ def tool_time_spec(text: str) -> str:
 
 def cmd_study(args: argparse.Namespace) -> None:
     from hlserve.study.core import StudySpec
-    from hlserve.study.study_report import report
     from hlserve.study.runs import run_study
+    from hlserve.study.study_report import report
 
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     spec = StudySpec(

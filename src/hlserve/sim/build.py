@@ -9,9 +9,9 @@ from hlserve.engine import factory
 from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.presets import DeviceInfo
+from hlserve.sim.acceptance_profile import AcceptanceProfile, ProfileSpeculator
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.sim_runner import SimRunner
-from hlserve.sim.acceptance_profile import AcceptanceProfile, ProfileSpeculator
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from hlserve.config import EngineConfig
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.batch import Batch, Runner, ScheduledSeq, StepResult
 from hlserve.models.config import ModelConfig
 from hlserve.request import Request, SamplingParams
 from hlserve.sim.cost import CostModel, IterationShape, shape_of
 from hlserve.sim.fitting import OpSamples, fit_gemm, nnls_relative
 from hlserve.sim.hardware import Hardware
-from hlserve.driver.workloads import AgentWorkload
 
 # ---- timing ---------------------------------------------------------------------------------------
 # On a CPU with one thread, time is the process's CPU time: other jobs on a shared machine then

@@ -21,10 +21,10 @@ from typing import Any
 from hlserve.driver import points as shared
 from hlserve.driver import records
 from hlserve.driver.closed_loop import LoopResult
-from hlserve.sim.build import SimOptions, build_sim_engine
-from hlserve.study.drive import run_agent_steady
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
+from hlserve.sim.build import SimOptions, build_sim_engine
+from hlserve.study.drive import run_agent_steady
 
 # system -> (options, knob swept, default sweep)
 ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {

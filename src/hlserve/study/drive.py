@@ -24,8 +24,8 @@ from hlserve.driver.closed_loop import (
     wait_until,
 )
 from hlserve.driver.records import RequestRecord, RunResult
-from hlserve.engine.engine import Engine
 from hlserve.driver.workloads import AgentWorkload, Arrival
+from hlserve.engine.engine import Engine
 
 
 def _done(records: list[RequestRecord], session_times: list[float]) -> RunResult:

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hlserve.driver.stats import mean_ci
 from hlserve.sim.hardware import Hardware
 from hlserve.study.core import PRODUCTION_SLO, StudyPoint, human_tax, throughput
-from hlserve.driver.stats import mean_ci
 
 Rec = dict[str, Any]
 

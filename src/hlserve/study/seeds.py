@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.points import meets_slo
-from hlserve.study.core import METRIC, PRODUCTION_SLO, STRICT_SLO, human_tax, throughput
 from hlserve.driver.stats import RatioVerdict, clean, fmt_ci, mean_ci, ratio_verdict
+from hlserve.study.core import METRIC, PRODUCTION_SLO, STRICT_SLO, human_tax, throughput
 
 Rec = dict[str, Any]
 PointKey = tuple[int, int, str, int | None]  # context, sessions, system, knob
