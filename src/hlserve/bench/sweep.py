@@ -49,6 +49,9 @@ from hlserve.server.launch import ExternalServer, free_port
 
 @dataclass
 class SweepPoint:
+    """One configuration of ``hlserve sweep``'s grid: its caps (chunk size, token budget) or
+    extra engine/server flags, under a label (its record is in driver/points.py's format)."""
+
     label: str
     chunk_size: int | None = None
     token_budget: int | None = None

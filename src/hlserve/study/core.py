@@ -107,6 +107,9 @@ class StudySpec:
 
 @dataclass(frozen=True)
 class StudyPoint:
+    """One cell of the study's grid: a system with its swept knob, at a context length and a
+    number of concurrent sessions (its record is in driver/points.py's point format)."""
+
     system: str
     knob: int | None  # C / B swept (None: unlimited or not applicable)
     context: int
