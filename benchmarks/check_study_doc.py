@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hlserve.sim.study.core import (
+from hlserve.study.core import (
     COMPUTED_METRIC,
     WINDOW_COMPUTED_METRIC,
     components,
@@ -37,8 +37,8 @@ from hlserve.sim.study.core import (
     throughput,
     with_computed,
 )
-from hlserve.sim.study.runs import load_points
-from hlserve.sim.study.seeds import Interval, key, load_by_seed, meets_in, tax_over_seeds
+from hlserve.study.runs import load_points
+from hlserve.study.seeds import Interval, key, load_by_seed, meets_in, tax_over_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "study.md"
@@ -139,7 +139,7 @@ def chunk(r: Rec, lo: int, hi: float) -> bool:
 
 def tool_mean(ctx: int) -> float:
     """The mean tool result (tokens) of the study's workload at ``ctx``, from the generator."""
-    from hlserve.workloads import AgentWorkload
+    from hlserve.driver.workloads import AgentWorkload
 
     return AgentWorkload.for_context(ctx, 1).tool_output_len.mean
 
@@ -460,7 +460,7 @@ def split_share(ctx: int, reuse: bool, chunk_size: int = 8192, sessions: int = 5
     """Rounds (%) whose uncached prompt is longer than a chunk, from the workload generator:
     with reuse a round's new tokens are its tool result (the rest is cached); without, all
     but the shared system prompt."""
-    from hlserve.workloads import AgentWorkload
+    from hlserve.driver.workloads import AgentWorkload
 
     w = AgentWorkload.for_context(ctx, sessions, prefix_reuse=reuse)
     split = total = 0
@@ -531,7 +531,7 @@ def noreuse_tax_row(s: Study, ctx: int, slo: tuple[float, float]) -> list[float]
 def gain_pct(by_seed: dict[int, list[Rec]], ctx: int, n: int, base: tuple[str, int | None],
              ours: tuple[str, int | None] = ("hlserve", None)) -> list[float]:
     """Gain (%) of ``ours`` over ``base`` paired by seed, and its interval's ends."""
-    from hlserve.sim.study.seeds import gain_over_seeds
+    from hlserve.study.seeds import gain_over_seeds
 
     v = gain_over_seeds(by_seed, (ctx, n, *ours), (ctx, n, *base))
     if v is None or v.ci is None:
@@ -540,7 +540,7 @@ def gain_pct(by_seed: dict[int, list[Rec]], ctx: int, n: int, base: tuple[str, i
 
 
 def best_k(by_seed: dict[int, list[Rec]], ctx: int) -> float:
-    from hlserve.sim.study.seeds import best_over_seeds
+    from hlserve.study.seeds import best_over_seeds
 
     return best_over_seeds(by_seed, ctx, None)[0].mean / 1e3
 
@@ -554,9 +554,9 @@ def prefill_s(tokens: int) -> float:
     (what ``hlserve cost --prefill`` prints)."""
     from hlserve.sim.cost import CostModel
     from hlserve.sim.hardware import get_hardware
-    from hlserve.sim.models import resolve_model
+    from hlserve.sim.model_specs import resolve_model_spec
 
-    model = CostModel(resolve_model("Qwen2.5-32B")[1], get_hardware("H20"), tp=8)
+    model = CostModel(resolve_model_spec("Qwen2.5-32B")[1], get_hardware("H20"), tp=8)
     return model.prefill(tokens).total
 
 
@@ -1008,8 +1008,8 @@ def table(results: list[Result]) -> str:
 
 def replot(points: Path = POINTS) -> list[Path]:
     """Redraw the study's figures from the stored points (no simulation)."""
-    from hlserve.sim.study.core import group
-    from hlserve.sim.study.report import plots
+    from hlserve.study.core import group
+    from hlserve.study.study_report import plots
 
     return plots(group(load_points(points)), points)
 

@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 
 from hlserve.driver.closed_loop import Loop, LoopResult, run_closed_loop
+from hlserve.driver.workloads import BLOCK, MooncakeTrace, TraceRequest
 from hlserve.models.config import ModelConfig
 from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import Hardware, get_hardware
-from hlserve.sim.models import _shape
-from hlserve.workloads import BLOCK, MooncakeTrace, TraceRequest
+from hlserve.sim.model_specs import _shape
 
 ROWS = Path(__file__).with_name("fidelity_rows.json")
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from hlserve.driver.closed_loop import run_agent_sessions
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.llm import build_engine
 from hlserve.models.default_model import default_model
-from hlserve.workloads import AgentWorkload
 
 CONFIGS: dict[str, dict[str, object]] = {
     "throughput": {"mode": "throughput"},

@@ -26,7 +26,7 @@ p99 (a session's first round sent to its last round done, tool calls included), 
 throughput ((prompt + output tokens) / wall seconds), prompt tokens computed and re-prefilled
 context (tokens of a session's previous round that its next round found evicted and computed
 again); each arm's throughput and p50 completion against ``lpm`` as paired ratios with their
-Fieller intervals (hlserve.stats). The JSON also holds, per run, the pool's pressure: pages
+Fieller intervals (hlserve.driver.stats). The JSON also holds, per run, the pool's pressure: pages
 evicted, retractions, the retention counters (TTL hits, expiries, retained pages evicted
 under pressure, the engine's own re-prefilled count of retained context), and whether the
 arms' greedy outputs were identical (outputs are pinned in length; a token that differs
@@ -66,10 +66,10 @@ from hlserve.driver.one_model import OneModel
 from hlserve.driver.records import session_completion
 from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
 from hlserve.driver.session_arms import SESSION_ARMS, session_arm_options
+from hlserve.driver.stats import fmt_ci
+from hlserve.driver.tool_time import parse_tool_time
+from hlserve.driver.workloads import AgentWorkload, Dist
 from hlserve.engine.args import parse_engine_args
-from hlserve.stats import fmt_ci
-from hlserve.tool_time import parse_tool_time
-from hlserve.workloads import AgentWorkload, Dist
 
 ARMS = SESSION_ARMS
 BASELINE = "lpm"
@@ -97,7 +97,7 @@ class Bench:
 
     @property
     def tool_time(self) -> str:
-        """The tool time's spec (hlserve/tool_time.py): lognormal, or fixed with sigma 0."""
+        """The tool time's spec (hlserve/driver/tool_time.py): lognormal, or fixed with sigma 0."""
         if self.sigma == 0:
             return f"fixed:{self.tool_median:g}"
         return f"lognormal:{self.tool_median:g}:{self.sigma:g}"

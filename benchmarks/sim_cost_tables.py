@@ -13,11 +13,11 @@ from typing import Any
 
 from hlserve.sim.cost import CostModel
 from hlserve.sim.hardware import get_hardware
-from hlserve.sim.models import resolve_model
+from hlserve.sim.model_specs import resolve_model_spec
 
 
 def cost_model(model: str, hardware: str, tp: int) -> CostModel:
-    _, mc = resolve_model(model)
+    _, mc = resolve_model_spec(model)
     return CostModel(mc, get_hardware(hardware), tp)
 
 

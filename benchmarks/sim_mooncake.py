@@ -20,10 +20,10 @@ import argparse
 import time
 from pathlib import Path
 
+from hlserve.driver.workloads import BLOCK, MooncakeTrace, trace_arrivals
 from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_open_loop
 from hlserve.sim.fitting import find_data_dir
-from hlserve.workloads import BLOCK, MooncakeTrace, trace_arrivals
+from hlserve.study.drive import run_open_loop
 
 DEFAULT_TRACE = find_data_dir() / "mooncake_conversation_trace.jsonl"
 SYSTEMS = (("sglang", {"preset": "sglang"}), ("vllm", {"preset": "vllm"}),

@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 
 from hlserve.sim.hardware import Hardware, get_hardware
-from hlserve.sim.study.core import PRODUCTION_SLO, Point, StudySpec, human_tax, run_point
+from hlserve.study.core import PRODUCTION_SLO, StudyPoint, StudySpec, human_tax, run_point
 
 SYSTEMS = (("hlserve", None), ("sglang", 8192), ("sarathi", 512))
 TAX_SESSIONS = (16, 32, 64, 128)  # throughput mode's points the section 7.6 tax is over
@@ -39,7 +39,7 @@ def gemm(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None:
     for system, knob in SYSTEMS:
         for hw in (base, alt):
             rec = run_point(dataclasses.replace(spec, hardware=hw),
-                            Point(system, knob, args.context, args.sessions))
+                            StudyPoint(system, knob, args.context, args.sessions))
             thr[(system, hw.name)] = rec["metrics"]["window_token_throughput"]
         a, b = thr[(system, base.name)], thr[(system, alt.name)]
         print(f"  {system:8s} {knob or '':>5}: {a:8.0f} -> {b:8.0f} tok/s ({100 * (b / a - 1):+.1f}%)")
@@ -66,8 +66,8 @@ def allreduce(args: argparse.Namespace, spec: StudySpec, base: Hardware) -> None
         hw = base if scale == 1.0 else base.replace(
             name=f"{base.name}-ar{scale:.2f}", allreduce_alpha=((spec.tp, alpha * scale),))
         s = dataclasses.replace(spec, hardware=hw)
-        ours = [run_point(s, Point("hlserve", None, args.context, n)) for n in TAX_SESSIONS]
-        ref = run_point(s, Point("sglang", 8192, args.context, 64))
+        ours = [run_point(s, StudyPoint("hlserve", None, args.context, n)) for n in TAX_SESSIONS]
+        ref = run_point(s, StudyPoint("sglang", 8192, args.context, 64))
         tax, best_ok, _ = human_tax(ours, *PRODUCTION_SLO)
         at64 = ours[TAX_SESSIONS.index(64)]["metrics"]["window_token_throughput"]
         thr = " / ".join(f"{r['metrics']['window_token_throughput']:,.0f}" for r in ours)

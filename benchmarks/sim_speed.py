@@ -15,9 +15,9 @@ import cProfile
 import pstats
 import time
 
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_agent_steady
-from hlserve.workloads import AgentWorkload
+from hlserve.study.drive import run_agent_steady
 
 
 def main() -> None:

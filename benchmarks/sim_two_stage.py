@@ -1,7 +1,7 @@
 """Two-stage mixing's hysteresis at 64K context on the simulated 8xH20 (docs/study.md,
 section 3): throughput mode with its default thresholds (decode-only above 90% KV use until
 use falls below 70%), with narrower ones, and with mixing always. Each variant is a study
-point (``hlserve.sim.study.core.run_point``) with the engine options changed.
+point (``hlserve.study.core.run_point``) with the engine options changed.
 
     python benchmarks/sim_two_stage.py                  # 128 sessions: overload
     python benchmarks/sim_two_stage.py --sessions 64
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hlserve.sim.study.core import Point, StudySpec, run_point
+from hlserve.study.core import StudyPoint, StudySpec, run_point
 
 VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("two-stage 0.90 / 0.70 (default)", {}),
@@ -31,7 +31,7 @@ def main() -> None:
     print(f"{spec.tp}x{spec.hardware} {spec.model}, {args.context} context, {args.sessions} sessions, "
           f"throughput mode")
     for label, opts in VARIANTS:
-        m = run_point(spec, Point("hlserve", None, args.context, args.sessions), opts)["metrics"]
+        m = run_point(spec, StudyPoint("hlserve", None, args.context, args.sessions), opts)["metrics"]
         switches = m["stage_switches"]
         print(f"  {label:32s} {m['window_token_throughput']:8.0f} tok/s   TTFT p50 "
               f"{m['median_ttft_ms'] / 1e3:6.1f} s   TPOT p99 {m['p99_tpot_ms']:5.0f} ms   "

@@ -40,8 +40,8 @@ from typing import Any
 from hlserve.engine.engine import Engine
 from hlserve.engine.speculation import NgramSpeculator, Speculator, ngram_propose
 from hlserve.request import SamplingParams
+from hlserve.sim.acceptance_profile import AcceptanceProfile
 from hlserve.sim.build import SimOptions, build_sim_engine
-from hlserve.sim.speculation import AcceptanceProfile
 
 BUDGET_MS = 2.0
 ARMS = ("off", "ngram", "ngram-scan")

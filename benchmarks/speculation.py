@@ -9,14 +9,14 @@ on one loaded model (nothing cached from one run to the next). Workloads:
 
 - ``agent``: hlserve's agent sessions (token ids; a shared system prompt, tool results, pinned
   outputs of ``--max-tokens``): little for a proposer to find;
-- ``coding``: the coding pipeline (:mod:`hlserve.coding_workload`): each round quotes a file
+- ``coding``: the coding pipeline (:mod:`hlserve.driver.coding_workload`): each round quotes a file
   of a shared repository and asks for it edited, in text through the chat template; the
   replies are the model's, up to ``--max-tokens``, and copy long spans of the prompt.
 
 Per point (workload x sessions), mean and 95% interval over the repeats: tokens per engine
 step (output tokens / steps), acceptance rate (accepted / draft tokens), mean accepted per
 draft, total throughput (prompt + output tokens / wall seconds), and the paired ratio
-spec / off with its interval (hlserve.stats). The JSON also holds the acceptance profile by
+spec / off with its interval (hlserve.driver.stats). The JSON also holds the acceptance profile by
 position (P(draft token i accepted), i = 1..k) per workload and per point, the adaptive k's
 steps by k, and whether both arms' outputs were identical (greedy: they must be).
 
@@ -42,13 +42,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hlserve.coding_workload import CodingWorkload
 from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.one_model import OneModel
 from hlserve.driver.repeats import RepeatPlan, add_inprocess_args, machine_info, run_repeats
+from hlserve.driver.stats import fmt_ci
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.args import parse_engine_args
-from hlserve.stats import fmt_ci
-from hlserve.workloads import AgentWorkload
 
 WORKLOADS = ("agent", "coding")
 RATIO_METRICS = ("tokens_per_step", "total_token_throughput", "output_throughput")

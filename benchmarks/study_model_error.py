@@ -1,5 +1,5 @@
 """The study's headline numbers with an interval over workload seeds and model error together
-(docs/study.md, "Model error in the headline"; the library is hlserve.sim.study.model_error).
+(docs/study.md, "Model error in the headline"; the library is hlserve.study.model_error).
 
 Each cost term is perturbed by residuals bootstrapped from the fidelity suite's rows that
 exercise it (``benchmarks/fidelity.py``, shipped profiles, no serving replays needed):
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.sim.hardware import get_hardware
-from hlserve.sim.study import model_error as me
-from hlserve.sim.study.core import Point, StudySpec, run_point
+from hlserve.study import model_error as me
+from hlserve.study.core import StudyPoint, StudySpec, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
 STORED = (ROOT / "docs/study/h20-seeds/points", ROOT / "docs/study/h20/points",
@@ -93,7 +93,7 @@ def allreduce_term(fid) -> me.Term:
                    tuple(i for n in alphas for i in fid.one_stream_rows(data, n)))
 
 
-def stored(point: Point, seed: int, gpu: str) -> dict[str, Any] | None:
+def stored(point: StudyPoint, seed: int, gpu: str) -> dict[str, Any] | None:
     """The stored study point of the shipped cost model at ``seed``, if one is stored (the
     stored study is on the default GPU only)."""
     if gpu != StudySpec().hardware:
@@ -109,7 +109,7 @@ def stored(point: Point, seed: int, gpu: str) -> dict[str, Any] | None:
     return None
 
 
-def replicate(mode: str, seed: int, hw, pts: dict[str, Point], done: dict, save) -> dict:
+def replicate(mode: str, seed: int, hw, pts: dict[str, StudyPoint], done: dict, save) -> dict:
     """One replicate's records (resumed from ``done``)."""
     recs = done.setdefault(f"{mode}:{seed}", {})
     for name, p in pts.items():

@@ -1,7 +1,7 @@
 """Agent sessions with tool time on the simulated machine (issue 25): does keeping a session's
 KV between its rounds, and admitting its next round first, finish jobs sooner?
 
-Steady-state closed loop (the study's: ``hlserve.sim.study.core.run_point``) on 8 x H20 with
+Steady-state closed loop (the study's: ``hlserve.study.core.run_point``) on 8 x H20 with
 Qwen2.5-32B at 32K context by default, sessions 32 / 64 / 128, a lognormal tool call between a
 session's rounds (medians 0.5 s, 5 s, 30 s; ``--sigma`` its log's spread), throughput mode
 with one of four arms:
@@ -16,7 +16,7 @@ with one of four arms:
 Per point: session completion p50 / p90 / p99 (a session's first round sent to its last round
 done, tool calls included, sessions started and ended inside the window) and the window's
 token throughput, as mean and 95% Student-t interval over ``--seeds`` workload seeds
-(``hlserve.stats.mean_ci``), and each arm's throughput and p50 completion against ``lpm``'s,
+(``hlserve.driver.stats.mean_ci``), and each arm's throughput and p50 completion against ``lpm``'s,
 paired by seed (``ratio_ci``). Records go to ``--out`` as they come; a rerun resumes. The full
 grid (3 medians x 3 concurrencies x 4 arms x 3 seeds = 108 points of 30 simulated minutes) is
 long: run it with ``--jobs`` on a machine of its own. A smoke run:
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.session_arms import SESSION_ARMS, session_arm_options
-from hlserve.sim.study.core import Point, StudySpec, run_point
-from hlserve.stats import clean, fmt_ci, mean_ci, ratio_ci
+from hlserve.driver.stats import clean, fmt_ci, mean_ci, ratio_ci
+from hlserve.study.core import StudyPoint, StudySpec, run_point
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "study_sessions.json"
@@ -70,7 +70,7 @@ def run_cell(args: tuple[dict[str, Any], Cell]) -> tuple[str, dict[str, Any]]:
                      wall_limit=conf["wall_limit"], seed=cell.seed,
                      tool_time=f"lognormal:{cell.median:g}:{conf['sigma']:g}")
     opts = session_arm_options(cell.arm, cell.median, conf["ttl_factor"], conf["ttl_policy"])
-    rec = run_point(spec, Point("hlserve", None, conf["context"], cell.sessions), opts)
+    rec = run_point(spec, StudyPoint("hlserve", None, conf["context"], cell.sessions), opts)
     rec["cell"] = dataclasses.asdict(cell)
     return cell.key, rec
 

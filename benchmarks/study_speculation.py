@@ -4,7 +4,7 @@ Throughput mode with and without n-gram speculation (k draft tokens per decode),
 on 8xH20, 32K and 64K contexts, by concurrency, over workload seeds. Speculation runs through
 the real scheduler and KV cache (drafts take token budget and KV slots, rejected drafts'
 pages go back the same step) with the cost model pricing the extra query rows; what the
-drafts' acceptance is comes from a profile (sim/speculation.py):
+drafts' acceptance is comes from a profile (sim/acceptance_profile.py):
 
 - ``geo-A``: a geometric profile, each position accepted with probability A given the one
   before (``A, A^2, ...``), a draft at every decode step: the grid that says where speculation
@@ -33,10 +33,10 @@ from typing import Any
 from tqdm import tqdm
 
 from hlserve.driver import points as shared
+from hlserve.driver.stats import fmt_ci, mean_ci
+from hlserve.sim.acceptance_profile import AcceptanceProfile
 from hlserve.sim.build import SimOptions
-from hlserve.sim.speculation import AcceptanceProfile
-from hlserve.sim.study.core import PRODUCTION_SLO, Point, StudySpec, run_point, throughput
-from hlserve.stats import fmt_ci, mean_ci
+from hlserve.study.core import PRODUCTION_SLO, StudyPoint, StudySpec, run_point, throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs/study/h20-speculation"
@@ -72,7 +72,7 @@ def run_task(job: tuple[Task, dict[str, Any], str]) -> str:
     spec = StudySpec(seed=seed, duration=args["duration"], warmup=args["warmup"])
     options = {} if prof is None else {"speculative_config": json.dumps(
         {"method": "ngram", "num_speculative_tokens": args["k"]})}
-    rec = run_point(spec, Point("hlserve", None, ctx, n), options, SimOptions(acceptance=prof))
+    rec = run_point(spec, StudyPoint("hlserve", None, ctx, n), options, SimOptions(acceptance=prof))
     rec["variant"] = variant
     rec["profile"] = None if prof is None else {"accept": prof.accept, "reach": prof.reach,
                                                  "propose_rate": prof.propose_rate}

@@ -152,7 +152,7 @@ def test_trace_chains_over_http_wait_out_their_recorded_gaps(server, tmp_path: P
     """``hlserve bench --trace FILE --tool-time recorded``: a chain's next round is sent its
     recorded gap (over ``--time-scale``) after the round before was sent, so the pause after
     a round is the gap less what serving the round took."""
-    from hlserve.tool_time import ToolTime
+    from hlserve.driver.tool_time import ToolTime
 
     rows = [{"timestamp": 0, "input_length": 1100, "output_length": 200, "hash_ids": [0, 1, 2]},
             {"timestamp": 1000, "input_length": 1800, "output_length": 300,
@@ -174,9 +174,9 @@ def test_trace_chains_over_http_wait_out_their_recorded_gaps(server, tmp_path: P
 
 
 def test_think_time_is_fixed_tool_time() -> None:
-    from hlserve.bench.cli import bench_spec
-    from hlserve.cli import build_parser
-    from hlserve.tool_time import ToolTime, parse_tool_time
+    from hlserve.cli.main import build_parser
+    from hlserve.cli.measure import bench_spec
+    from hlserve.driver.tool_time import ToolTime, parse_tool_time
 
     def spec(*flags: str):
         return bench_spec(build_parser().parse_args(["bench", *flags]))

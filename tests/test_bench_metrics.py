@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hlserve.bench import report
-from hlserve.bench.sweep import Point, make_points, parse_sizes, server_command
+from hlserve.bench.sweep import SweepPoint, make_points, parse_sizes, server_command
 from hlserve.driver.records import SLO, RequestRecord, summarize
-from hlserve.workloads import (
+from hlserve.driver.workloads import (
     MooncakeTrace,
     ScaledTrace,
     chains,
@@ -96,9 +96,9 @@ def test_points_and_server_command() -> None:
     assert [(p.chunk_size, p.token_budget) for p in grid] == [(64, 128), (64, None)]
     t = "vllm serve {model} --port {port} --max-num-batched-tokens {token_budget} {args}"
     # no cap is the word hlserve serve reads; a grid point's number is passed as it is
-    cmd = server_command(t, Point("C=none"), "/m", "127.0.0.1", 9)
+    cmd = server_command(t, SweepPoint("C=none"), "/m", "127.0.0.1", 9)
     assert cmd == ["vllm", "serve", "/m", "--port", "9", "--max-num-batched-tokens", "none"]
-    cmd = server_command(t, Point("C=4096", 4096, 4096), "/m", "127.0.0.1", 9)
+    cmd = server_command(t, SweepPoint("C=4096", 4096, 4096), "/m", "127.0.0.1", 9)
     assert cmd == ["vllm", "serve", "/m", "--port", "9", "--max-num-batched-tokens", "4096"]
 
 

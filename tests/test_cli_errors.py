@@ -1,4 +1,4 @@
-"""Both command lines (``hlserve`` and ``python -m hlserve.sim.cli``) report a user's
+"""Both command lines (``hlserve`` and ``python -m hlserve.cli.simulate``) report a user's
 mistake as one ``hlserve: error: ...`` line with exit status 2, through one
 ``errors.run_command``, and not as a traceback."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hlserve import cli
-from hlserve.sim import cli as sim_cli
+from hlserve.cli import simulate as sim_cli
 
 
 @pytest.mark.parametrize("main", [cli.main, sim_cli.main], ids=["hlserve", "sim"])

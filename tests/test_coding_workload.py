@@ -1,4 +1,4 @@
-"""The coding-pipeline workload (hlserve.coding_workload, issue 24): a shared synthetic
+"""The coding-pipeline workload (hlserve.driver.coding_workload, issue 24): a shared synthetic
 repository, deterministic from its seed; each round's prompt quotes files of it and asks for
 an edited file; sessions quoting the same file share the prompt's prefix through the real
 chat template; the real model (SmolLM2-135M-Instruct) answers in the closed loop, and
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hlserve.bench.serve_bench import BenchSpec, run_bench
-from hlserve.coding_workload import CodingWorkload, Repository
 from hlserve.driver.closed_loop import Loop, run_closed_loop
+from hlserve.driver.coding_workload import CodingWorkload, Repository
 from hlserve.errors import ModelLoadError
 from hlserve.models.resolve import resolve_model
 from hlserve.server.launch import ServerProcess

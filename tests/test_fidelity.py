@@ -16,7 +16,7 @@ import pytest
 from hlserve.sim import fitting
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import HARDWARE
-from hlserve.sim.models import MODELS
+from hlserve.sim.model_specs import MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
@@ -249,7 +249,7 @@ def test_model_error_perturbations_come_from_the_suite_residuals() -> None:
     sme = importlib.util.module_from_spec(spec)
     sys.modules["study_model_error"] = sme
     spec.loader.exec_module(sme)
-    from hlserve.sim.study.model_error import draw
+    from hlserve.study.model_error import draw
 
     terms = {t.name: t for t in sme.terms()}
     assert len(terms["attention prefill"].residuals) == 3

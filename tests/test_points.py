@@ -12,7 +12,7 @@ import pytest
 
 from hlserve.bench import report
 from hlserve.driver.points import human_tax, meets_slo, served
-from hlserve.sim.study import core
+from hlserve.study import core
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -81,7 +81,7 @@ STUDY = ["study", "--contexts", "8192", "--sessions", "4", "--systems", "hlserve
 
 def test_study_repeats_store_a_record_per_seed_and_ray_writes_the_same(tmp_path: Path) -> None:
     pytest.importorskip("ray")
-    from hlserve.sim.study.runs import load_points
+    from hlserve.study.runs import load_points
 
     assert main([*STUDY, "--out", str(tmp_path / "local")]) == 0
     names = sorted(p.name for p in (tmp_path / "local" / "points").glob("*.json"))

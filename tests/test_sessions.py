@@ -250,7 +250,7 @@ def test_tool_time_sampling(tmp_path) -> None:
 
     import pytest
 
-    from hlserve.tool_time import parse_tool_time
+    from hlserve.driver.tool_time import parse_tool_time
 
     rng = random.Random(0)
     assert parse_tool_time("0").is_zero and parse_tool_time(0).sample(rng) == 0.0

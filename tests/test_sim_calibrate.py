@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from hlserve.sim.calibrate import FIDELITY_OPTIONS, calibrate, fidelity, write_profile
-from hlserve.sim.cli import main as sim_main
+from hlserve.cli.simulate import main as sim_main
 from hlserve.sim.hardware import Hardware
+from hlserve.study.calibrate import FIDELITY_OPTIONS, calibrate, fidelity, write_profile
 
 
 @pytest.mark.slow

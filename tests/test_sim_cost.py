@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from hlserve.cli.simulate import main as sim_main
 from hlserve.sim import fitting
-from hlserve.sim.cli import main as sim_main
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import HARDWARE, Hardware, get_hardware, parse_cluster
-from hlserve.sim.models import MODELS, resolve_model
+from hlserve.sim.model_specs import MODELS, resolve_model_spec
 
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
 def test_gemm_fit_reproduces_vidur_profiles(gpu: str) -> None:
@@ -49,7 +49,7 @@ def test_known_models_match_facts() -> None:
         assert MODELS[name].num_parameters() == pytest.approx(params, rel=0.01), name
     # KV per token (bf16), FACTS.md
     assert MODELS["Qwen2.5-32B"].kv_bytes_per_token * 2 == 256 * 1024
-    assert resolve_model("qwen/qwen2.5-32b")[0] == "Qwen2.5-32B"
+    assert resolve_model_spec("qwen/qwen2.5-32b")[0] == "Qwen2.5-32B"
 
 
 def test_model_from_config_json(tmp_path) -> None:
@@ -58,9 +58,9 @@ def test_model_from_config_json(tmp_path) -> None:
            "num_key_value_heads": 2}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    _, mc = resolve_model(str(path))
+    _, mc = resolve_model_spec(str(path))
     assert mc.hidden_size == 512 and mc.head_dim == 64
-    assert resolve_model(str(tmp_path))[1] == mc
+    assert resolve_model_spec(str(tmp_path))[1] == mc
 
 
 def test_hardware_profiles_and_roundtrip(tmp_path) -> None:
@@ -88,7 +88,7 @@ def test_allreduce_alpha_replaces_the_fit_only_where_given(tmp_path) -> None:
     fixed = hw.replace(allreduce_alpha=((2, 15e-6),))
     assert fixed.allreduce_params(2) == (15e-6, hw.allreduce_params(2)[1])
     assert fixed.allreduce_params(4) == hw.allreduce_params(4)
-    model = resolve_model("Llama-3.1-70B")[1]
+    model = resolve_model_spec("Llama-3.1-70B")[1]
     slow, fast = CostModel(model, hw, 2).decode(1, 1000), CostModel(model, fixed, 2).decode(1, 1000)
     saved = (2 * model.num_hidden_layers + 1) * (hw.allreduce_params(2)[0] - 15e-6)  # + logits
     assert slow.total - fast.total == pytest.approx(saved, rel=1e-6)
@@ -98,7 +98,7 @@ def test_allreduce_alpha_replaces_the_fit_only_where_given(tmp_path) -> None:
 
 
 def _cm(model: str = "Qwen2.5-32B", hw: str = "H20", tp: int = 8) -> CostModel:
-    return CostModel(resolve_model(model)[1], get_hardware(hw), tp)
+    return CostModel(resolve_model_spec(model)[1], get_hardware(hw), tp)
 
 
 def test_cost_model_shape() -> None:

@@ -6,14 +6,14 @@ import pytest
 
 from hlserve.config import EngineConfig
 from hlserve.driver.closed_loop import run_agent_sessions
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.scheduler import Scheduler
 from hlserve.request import SamplingParams
 from hlserve.sim.build import SimOptions, build_sim_engine
-from hlserve.sim.drive import run_agent_steady
-from hlserve.sim.runner import SimRunner
-from hlserve.workloads import AgentWorkload
+from hlserve.sim.sim_runner import SimRunner
+from hlserve.study.drive import run_agent_steady
 
 SMALL = dict(sessions=6, rounds=3, system_prompt_len=2048, task_len=128,
              tool_output_len=(500, 2000), output_len=(20, 60), vocab=(3, 150000), seed=3)

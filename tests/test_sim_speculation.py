@@ -1,4 +1,4 @@
-"""Speculative decoding in the simulator (sim/speculation.py): drafts follow a measured
+"""Speculative decoding in the simulator (sim/acceptance_profile.py): drafts follow a measured
 acceptance profile, the simulated runner verifies them as the real one verifies greedy drafts,
 and the real scheduler, KV cache and cost model do the rest."""
 
@@ -10,8 +10,8 @@ import random
 import pytest
 
 from hlserve.request import SamplingParams
+from hlserve.sim.acceptance_profile import AcceptanceProfile
 from hlserve.sim.build import SimOptions, build_sim_engine
-from hlserve.sim.speculation import AcceptanceProfile
 
 NGRAM3 = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from hlserve.sim.cli import main as sim_main
-from hlserve.sim.study.core import Point, StudySpec, human_tax, pareto, system_options
-from hlserve.sim.study.report import report
-from hlserve.sim.study.runs import _done, run_study
+from hlserve.cli.simulate import main as sim_main
+from hlserve.study.core import StudyPoint, StudySpec, human_tax, pareto, system_options
+from hlserve.study.runs import _done, run_study
+from hlserve.study.study_report import report
 
 
 def test_pareto_and_tax() -> None:
@@ -74,7 +74,7 @@ def test_small_study_resumes_and_reports(tmp_path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0.0 <= summary["slos"][0]["tax"] <= 1.0
     assert "sarathi C=B=512" in (tmp_path / "table.md").read_text()
-    assert Point("sglang", None, 32768, 64).label == "sglang C=inf"
+    assert StudyPoint("sglang", None, 32768, 64).label == "sglang C=inf"
     assert sim_main(["study", "--report-only", "--out", str(tmp_path)]) == 0
 
 
@@ -88,7 +88,7 @@ def _rounds(workload, index: int = 0) -> list[list[int]]:
 
 
 def test_agent_workload_without_prefix_reuse() -> None:
-    from hlserve.workloads import AgentWorkload
+    from hlserve.driver.workloads import AgentWorkload
 
     def common(a: list[int], b: list[int]) -> int:
         n = 0
@@ -115,7 +115,7 @@ def test_agent_workload_without_prefix_reuse() -> None:
 def test_stall_metrics_and_turnover() -> None:
     from hlserve.driver.closed_loop import LoopResult
     from hlserve.driver.records import RequestRecord
-    from hlserve.sim.study.core import stall_metrics, turnover_metrics, window_metrics
+    from hlserve.study.core import stall_metrics, turnover_metrics, window_metrics
 
     def rec(times: list[float]) -> RequestRecord:
         return RequestRecord(request_id="r", start=0.0, end=times[-1], chunk_times=times,
@@ -144,9 +144,9 @@ def test_stall_metrics_and_turnover() -> None:
 def test_sessions_ended_in_window_count_long_sessions() -> None:
     """A session that starts before the window and ends inside it counts as ended there, but
     not in ``session_times`` (which needs the whole session inside the window)."""
+    from hlserve.driver.workloads import AgentWorkload
     from hlserve.sim.build import build_sim_engine
-    from hlserve.sim.drive import run_agent_steady
-    from hlserve.workloads import AgentWorkload
+    from hlserve.study.drive import run_agent_steady
 
     engine = build_sim_engine("Qwen2.5-7B", "H100", 1, max_model_len=8192 + 4096, mode="throughput")
     workload = AgentWorkload.for_context(8192, 8, rounds=3, vocab=(3, 4096))

@@ -10,11 +10,8 @@ import random
 import pytest
 
 from hlserve.driver.closed_loop import run_closed_loop
-from hlserve.sim.build import build_sim_engine
-from hlserve.sim.drive import run_open_loop
-from hlserve.sim.fitting import find_data_dir
-from hlserve.tool_time import ToolTime, parse_tool_time
-from hlserve.workloads import (
+from hlserve.driver.tool_time import ToolTime, parse_tool_time
+from hlserve.driver.workloads import (
     BLOCK,
     AgentWorkload,
     Dist,
@@ -24,6 +21,9 @@ from hlserve.workloads import (
     trace_arrivals,
     trace_sessions,
 )
+from hlserve.sim.build import build_sim_engine
+from hlserve.sim.fitting import find_data_dir
+from hlserve.study.drive import run_open_loop
 
 
 def _write_trace(path, rows) -> None:

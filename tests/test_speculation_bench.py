@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.sim.speculation import AcceptanceProfile
+from hlserve.sim.acceptance_profile import AcceptanceProfile
 from support import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent

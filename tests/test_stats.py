@@ -1,4 +1,4 @@
-"""Interval arithmetic (hlserve.stats) against scipy on known samples, the t quantile's
+"""Interval arithmetic (hlserve.driver.stats) against scipy on known samples, the t quantile's
 fallback (for an install without scipy) against scipy's, and the repeat driver's interleaved
 order (hlserve.driver.repeats)."""
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from hlserve import stats
+from hlserve.driver import stats
 from hlserve.driver.repeats import RepeatPlan, aggregate, run_repeats, schedule
-from hlserve.stats import (
+from hlserve.driver.stats import (
     fmt_ci,
     mean_ci,
     ratio_ci,

@@ -1,4 +1,4 @@
-"""hlserve.sim.study.model_error: the cost model perturbed by the fidelity suite's residuals,
+"""hlserve.study.model_error: the cost model perturbed by the fidelity suite's residuals,
 and the study's headline numbers with an interval over seeds and model error together."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from hlserve.sim import fitting
 from hlserve.sim.hardware import get_hardware
-from hlserve.sim.study import model_error as me
-from hlserve.sim.study.core import Point, StudySpec, run_point, throughput
+from hlserve.study import model_error as me
+from hlserve.study.core import StudyPoint, StudySpec, run_point, throughput
 from support import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_model_error_widens_an_interval_and_pairing_cancels_it(terms) -> None:
     a throughput far more than seeds do, and moves two systems on one draw together."""
     base = get_hardware("H20")
     spec = StudySpec(duration=60.0, warmup=30.0)
-    arms = (Point("hlserve", None, 8192, 8), Point("sglang", 2048, 8192, 8))
+    arms = (StudyPoint("hlserve", None, 8192, 8), StudyPoint("sglang", 2048, 8192, 8))
 
     def run(hw, seed: int) -> dict[str, dict]:
         s = dataclasses.replace(spec, hardware=hw, seed=seed)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.sim.study.core import Point, StudySpec, run_point
+from hlserve.study.core import StudyPoint, StudySpec, run_point
 
 STORED = Path(__file__).resolve().parent.parent / "docs" / "study" / "h20" / "points"
 # two of the fastest stored points (a few seconds each), one preset and throughput mode, and
@@ -26,7 +26,7 @@ def test_stored_study_point_reruns_bit_identical(key: str) -> None:
                      duration=fp["duration"], warmup=fp["warmup"], rounds=fp["rounds"],
                      output_mean=fp.get("output_mean", 200.0), seed=fp["seed"],
                      version=fp["version"])
-    rec = json.loads(json.dumps(run_point(spec, Point(**stored["point"]))))
+    rec = json.loads(json.dumps(run_point(spec, StudyPoint(**stored["point"]))))
     assert rec["options"] == stored["options"]
     assert rec["kv_pool_tokens"] == stored["kv_pool_tokens"]
     new, old = dict(rec["metrics"]), dict(stored["metrics"])

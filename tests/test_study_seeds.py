@@ -8,7 +8,7 @@ import math
 import pytest
 from scipy import stats as sps
 
-from hlserve.sim.study.seeds import load_by_seed, report, summarize_seeds, tax_over_seeds
+from hlserve.study.seeds import load_by_seed, report, summarize_seeds, tax_over_seeds
 
 
 def rec(seed: int, system: str, knob: int | None, tput: float, ttft: float, tpot: float,

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.coding_workload import CodingWorkload
 from hlserve.driver.closed_loop import run_agent_sessions, run_closed_loop
+from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.records import RequestRecord, headline, summarize
+from hlserve.driver.tool_time import parse_tool_time
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.llm import build_engine
 from hlserve.sim.build import build_sim_engine
-from hlserve.tool_time import parse_tool_time
-from hlserve.workloads import AgentWorkload
 
 SMALL = AgentWorkload(sessions=5, rounds=3, system_prompt_len=2048, task_len=128,
                       tool_output_len=(500, 2000), output_len=(10, 30), vocab=(3, 150000),
@@ -176,9 +176,9 @@ def test_study_points_take_a_tool_time(tmp_path: Path) -> None:
     """``hlserve study --tool-time``: the spec is checked and written one way (zero as the
     stored points' ``0``), it is part of a point's fingerprint, and a steady-state point
     reports session completion with the tool calls in it."""
-    from hlserve.cli import build_parser
-    from hlserve.sim.study.core import Point, StudySpec, run_point
-    from hlserve.sim.study.runs import _done
+    from hlserve.cli.main import build_parser
+    from hlserve.study.core import StudyPoint, StudySpec, run_point
+    from hlserve.study.runs import _done
 
     def study(*flags: str):
         return build_parser().parse_args(["study", *flags]).tool_time
@@ -190,7 +190,7 @@ def test_study_points_take_a_tool_time(tmp_path: Path) -> None:
     base = StudySpec(hardware="H100", tp=1, model="Qwen2.5-7B", contexts=(8192,),
                      sessions=(8,), systems=("hlserve",), duration=60.0, warmup=20.0, rounds=3)
     timed = dataclasses.replace(base, tool_time="fixed:5")
-    point = Point("hlserve", None, 8192, 8)
+    point = StudyPoint("hlserve", None, 8192, 8)
     zero, tool = run_point(base, point), run_point(timed, point)
     assert zero["spec"]["tool_time"] == "0" and tool["spec"]["tool_time"] == "fixed:5"
     z, t = zero["metrics"], tool["metrics"]

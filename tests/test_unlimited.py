@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hlserve.bench.sweep import parse_sizes
-from hlserve.cli import build_parser
 from hlserve.cli import main as cli_main
+from hlserve.cli.main import build_parser
 from hlserve.config import EngineConfig, parse_cap
 from hlserve.engine import factory
 from hlserve.engine.args import engine_options, make_config
@@ -141,7 +141,7 @@ def test_every_command_line_refuses_a_bad_cap_with_one_message(argv, capsys) -> 
 def test_factory_runs_the_config_it_is_given() -> None:
     from hlserve.sim.build import device_info
     from hlserve.sim.hardware import get_hardware
-    from hlserve.sim.runner import SimRunner
+    from hlserve.sim.sim_runner import SimRunner
 
     hw = get_hardware("H100")
     config = make_config("Qwen2.5-7B", device_info=device_info(hw), preset="sarathi",

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.repeats import RepeatPlan, Run, run_repeats
-from hlserve.stats import ci_table
+from hlserve.driver.stats import ci_table
 
 CORPUS: dict[str, str] = {
     "paris.txt": "Paris is the capital of France. The Seine flows through the city, and the "

@@ -13,7 +13,7 @@ from typing import Any
 
 from hlserve.driver.points import human_tax
 from hlserve.driver.repeats import RepeatPlan, Run, run_repeats
-from hlserve.stats import ci_table, ratio_verdict
+from hlserve.driver.stats import ci_table, ratio_verdict
 
 MODES = {"slo (vllm)": {"mode": "slo"}, "throughput": {"mode": "throughput"}}
 BASELINE = "slo (vllm)"
@@ -41,8 +41,8 @@ class DemoSpec:
 def _real_run(spec: DemoSpec, common: dict[str, Any], options: dict[str, Any],
               seed: int) -> dict[str, Any]:
     from hlserve.driver.closed_loop import run_agent_sessions
+    from hlserve.driver.workloads import AgentWorkload
     from hlserve.llm import build_engine
-    from hlserve.workloads import AgentWorkload
 
     engine = build_engine(spec.model, **{**common, **options})
     workload = AgentWorkload(sessions=spec.sessions, rounds=spec.rounds,
@@ -109,7 +109,7 @@ def local_verdict(res: dict[str, Any]) -> str:
 
 
 def _sim_run(spec: DemoSpec, point: Any, seed: int) -> dict[str, Any]:
-    from hlserve.sim.study.core import StudySpec, run_point
+    from hlserve.study.core import StudySpec, run_point
 
     study = StudySpec(duration=spec.sim_duration, warmup=spec.sim_warmup, seed=seed)
     return run_point(study, point)["metrics"]
@@ -118,9 +118,9 @@ def _sim_run(spec: DemoSpec, point: Any, seed: int) -> dict[str, Any]:
 def run_sim(spec: DemoSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Throughput mode at 32K context on 8×H20 / Qwen2.5-32B, at each concurrency, over
     ``sim_repeats`` seeds; the tax at the production SLOs (TTFT p99 ≤ 2 s, TPOT p99 ≤ 100 ms)."""
-    from hlserve.sim.study.core import PRODUCTION_SLO, Point
+    from hlserve.study.core import PRODUCTION_SLO, StudyPoint
 
-    configs = {f"{n} sessions": Point("hlserve", None, 32768, n) for n in spec.sim_sessions}
+    configs = {f"{n} sessions": StudyPoint("hlserve", None, 32768, n) for n in spec.sim_sessions}
     plan = RepeatPlan(repeats=spec.sim_repeats, base_seed=spec.seed, warmup=0)  # virtual clock
 
     def run(point: Any, seed: int) -> dict[str, Any]:

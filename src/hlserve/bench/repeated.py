@@ -20,7 +20,7 @@ from typing import Any
 
 from hlserve.bench.serve_bench import BenchSpec, run_bench
 from hlserve.driver.repeats import RepeatPlan, Run, ratios, run_repeats
-from hlserve.stats import fmt_ci, ratio_verdict
+from hlserve.driver.stats import fmt_ci, ratio_verdict
 
 THROUGHPUT = "total_token_throughput"
 

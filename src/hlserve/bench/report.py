@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.points import human_tax, served, value
-from hlserve.stats import fmt_ci
+from hlserve.driver.stats import fmt_ci
 
 THROUGHPUT = "total_token_throughput"
 

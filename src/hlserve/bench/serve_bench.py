@@ -5,13 +5,13 @@ driver shares (:mod:`hlserve.driver.records`):
 
 - ``agent``: closed loop. N sessions, each holding one concurrency slot; a session sends
   round r once round r−1 has completed and the tool call after it has run (``tool_time``, a
-  :mod:`hlserve.tool_time` distribution drawn per round; zero: at once), and round r's prompt is
+  :mod:`hlserve.driver.tool_time` distribution drawn per round; zero: at once), and round r's prompt is
   round r−1's prompt and output plus a new tool result. Lengths from
-  :class:`~hlserve.workloads.AgentWorkload`'s distributions, or from the chains of a
+  :class:`~hlserve.driver.workloads.AgentWorkload`'s distributions, or from the chains of a
   Mooncake-format trace (``--trace``). A failed round ends its session (counted in
   ``sessions_failed``; an agent that lost a round has lost its context).
 - ``coding``: closed loop like ``agent``, in text: each round quotes files of one shared
-  synthetic repository and asks for an edited file (:mod:`hlserve.coding_workload`); the
+  synthetic repository and asks for an edited file (:mod:`hlserve.driver.coding_workload`); the
   prompts are the conversation rendered with the model's chat template (``--tokenizer``),
   the replies the model's own, ended by its end of turn (not pinned).
 - ``chat``: open loop, Poisson arrivals at ``--request-rate`` (optionally capped at
@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
-from hlserve.coding_workload import ChatCodec, CodingWorkload
+from hlserve.driver.coding_workload import ChatCodec, CodingWorkload
 from hlserve.driver.records import SLO, Recorder, RequestRecord, headline, summarize
-from hlserve.tool_time import ToolTime
-from hlserve.workloads import (
+from hlserve.driver.tool_time import ToolTime
+from hlserve.driver.workloads import (
     AgentWorkload,
     Dist,
     MooncakeTrace,

@@ -8,7 +8,7 @@ next). Three ways to run a point:
 - **in-process hlserve, real runner** (default): ``build_engine(model, **base, chunk_size=C,
   token_budget=B)``, driven directly (no HTTP), timed on the wall clock;
 - **in-process hlserve, simulated runner** (``--sim HARDWARE``): the same scheduler on the
-  cost model of a GPU (``hlserve.sim.runner``), timed on the virtual clock;
+  cost model of a GPU (``hlserve.sim.sim_runner``), timed on the virtual clock;
 - **an external server per point** (``--server-cmd TEMPLATE``): the template is formatted
   with ``{model} {host} {port} {chunk_size} {token_budget} {label} {args}``, started in its
   own process group, waited for (``GET /health`` answers 200), benchmarked over HTTP with
@@ -48,7 +48,10 @@ from hlserve.server.launch import ExternalServer, free_port
 
 
 @dataclass
-class Point:
+class SweepPoint:
+    """One configuration of ``hlserve sweep``'s grid: its caps (chunk size, token budget) or
+    extra engine/server flags, under a label (its record is in driver/points.py's format)."""
+
     label: str
     chunk_size: int | None = None
     token_budget: int | None = None
@@ -66,29 +69,29 @@ def parse_sizes(text: str) -> list[int | None]:
 
 
 def make_points(chunk_sizes: list[int | None], token_budgets: str = "same",
-                add_points: list[str] = ()) -> list[Point]:
+                add_points: list[str] = ()) -> list[SweepPoint]:
     """The grid C x B (``token_budgets``: ``same`` for B = C, as vLLM's one knob; ``none``
     for no budget; or a list), then the ``LABEL=FLAGS`` points of ``add_points``."""
-    points: list[Point] = []
+    points: list[SweepPoint] = []
     budgets: list[int | None] | None = None
     if token_budgets.strip().lower() != "same":
         budgets = parse_sizes(token_budgets)
     for c in chunk_sizes:
         for b in ([c] if budgets is None else budgets):
             name = f"C={c or 'none'}" if budgets is None else f"C={c or 'none'},B={b or 'none'}"
-            points.append(Point(name, c, b))
+            points.append(SweepPoint(name, c, b))
     for spec in add_points:
         label, _, flags = spec.partition("=")
         if not label or not flags:
             raise ValueError(f"--add-point takes LABEL=FLAGS, got {spec!r}")
-        points.append(Point(label.strip(), None, None, shlex.split(flags)))
+        points.append(SweepPoint(label.strip(), None, None, shlex.split(flags)))
     return points
 
 
 # ---- in-process ---------------------------------------------------------------------------
 
 
-def point_options(base: dict[str, Any], point: Point) -> dict[str, Any]:
+def point_options(base: dict[str, Any], point: SweepPoint) -> dict[str, Any]:
     """A point's engine options: the sweep's (``--engine-args``, parsed once), then the
     point's own flags (a point with its own preset replaces the base's), then a grid point's
     C and B (None, no cap, winning over any preset's like any option given)."""
@@ -134,7 +137,7 @@ def _warm_up(engine: Any) -> None:
         engine.step()
 
 
-def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: BenchSpec,
+def run_inprocess_point(model: str, base: dict[str, Any], point: SweepPoint, spec: BenchSpec,
                         sim: str | None = None, tp: int = 1) -> dict[str, Any]:
     opts = point_options(base, point)
     if sim:
@@ -164,7 +167,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: Point, spec: Be
 # ---- servers on their own ports: hlserve.server.launch ------------------------------------
 
 
-def server_command(template: str, point: Point, model: str, host: str,
+def server_command(template: str, point: SweepPoint, model: str, host: str,
                    port: int) -> list[str]:
     """The template formatted for ``point``; no cap is the word ``none``, as ``hlserve serve``
     reads it (a server without a word for it, e.g. vLLM, is given its number in the list)."""
@@ -178,7 +181,7 @@ def server_command(template: str, point: Point, model: str, host: str,
     return shlex.split(text)
 
 
-def run_server_point(template: str, model: str, point: Point, spec: BenchSpec, out_dir: Path,
+def run_server_point(template: str, model: str, point: SweepPoint, spec: BenchSpec, out_dir: Path,
                      health_timeout: float,
                      env: dict[str, str] | None = None) -> dict[str, Any]:
     host = "127.0.0.1"
@@ -198,7 +201,7 @@ def run_server_point(template: str, model: str, point: Point, spec: BenchSpec, o
 @dataclass
 class SweepSpec:
     model: str
-    points: list[Point]
+    points: list[SweepPoint]
     bench: BenchSpec
     out_dir: Path
     engine_args: list[str] = field(default_factory=list)
@@ -224,7 +227,7 @@ def slug(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
 
 
-def run_one(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None, point: Point,
+def run_one(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None, point: SweepPoint,
             spec: BenchSpec) -> dict[str, Any]:
     """One run of one point, on its own server (``--server-cmd``) or in this process
     (module-level, so that a partial of it pickles into a Ray task)."""
@@ -281,7 +284,7 @@ def _executor(sw: SweepSpec, base: dict[str, Any]) -> Any:
     return ray_executor(sw.ray, res, progress=sw.bench.progress)
 
 
-def _run_points(sw: SweepSpec, run: Callable[[Point, BenchSpec], dict[str, Any]],
+def _run_points(sw: SweepSpec, run: Callable[[SweepPoint, BenchSpec], dict[str, Any]],
                 log: Any) -> list[dict[str, Any]]:
     """Every point once, one after the other."""
     results: list[dict[str, Any]] = []

@@ -1,3 +1,4 @@
 """The driving layer: one closed-loop agent driver and one request record, summary and tax
 (shared by the offline benchmarks, the in-process sweep, the HTTP benchmark and the study),
-repeats with intervals, and points spread over a Ray cluster."""
+the workloads they drive (agent sessions, Mooncake traces, chat, the coding pipeline) and the
+tool-call pauses between rounds, repeats with intervals, and points spread over a Ray cluster."""

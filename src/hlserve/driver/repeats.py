@@ -5,7 +5,7 @@ summarized as a mean with ``<metric>_ci95``.
 Why interleaved: a machine drifts (thermal state, other jobs, page cache); running every repeat
 of A before any of B puts that drift into the A/B difference. Interleaved, repeat i of every
 configuration runs at about the same moment and with the same seed (``base_seed + i``), so
-A_i and B_i are a pair and :func:`hlserve.stats.ratio_ci` can use the pairing. Why mirrored:
+A_i and B_i are a pair and :func:`hlserve.driver.stats.ratio_ci` can use the pairing. Why mirrored:
 in A B A B, B always runs second within a pair, so a steady drift still biases every pair the
 same way (the peers benchmark measured 3% on a slowing machine); reversing the order on every
 other repeat cancels a linear drift over each two repeats.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from hlserve.stats import clean, mean_ci, ratio_verdict
+from hlserve.driver.stats import clean, mean_ci, ratio_verdict
 
 C = TypeVar("C")
 RATIO_METRICS = ("total_token_throughput", "output_throughput")

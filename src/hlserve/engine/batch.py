@@ -1,7 +1,7 @@
 """The seam the engine owns between its scheduler and whatever executes a batch: the batch and
 result types and the ``Runner`` interface.
 
-The real runner (``runner/``) and the simulated one (``sim/runner.py``) implement it; they
+The real runner (``runner/``) and the simulated one (``sim/sim_runner.py``) implement it; they
 import this module, and the engine imports no runner (it is handed one)."""
 
 from __future__ import annotations

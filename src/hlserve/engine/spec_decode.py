@@ -41,7 +41,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     # drafts that reached position i (a proposal may be shorter than k): acceptance at i
-    # among the drafts that tried it, what a simulated profile needs (sim/speculation.py)
+    # among the drafts that tried it, what a simulated profile needs (sim/acceptance_profile.py)
     drafted_per_pos: list[int] = field(default_factory=list)
     num_lookups: int = 0  # proposals asked for (a draft or none): drafts / lookups is the match rate
     # the per-step choice of k (steps by k, probes, acceptance per position); None: fixed k

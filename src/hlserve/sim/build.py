@@ -9,9 +9,9 @@ from hlserve.engine import factory
 from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.presets import DeviceInfo
+from hlserve.sim.acceptance_profile import AcceptanceProfile, ProfileSpeculator
 from hlserve.sim.hardware import Hardware, get_hardware
-from hlserve.sim.runner import SimRunner
-from hlserve.sim.speculation import AcceptanceProfile, ProfileSpeculator
+from hlserve.sim.sim_runner import SimRunner
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class SimOptions:
     """The simulation's own options (not engine knobs): share of device memory usable, GiB
     kept back from the KV pool, the share of positions that yield EOS (0: never), and, for an
     engine with ``speculative_config``, the acceptance profile its drafts follow (required
-    then: the simulated tokens give a real speculator nothing to copy; sim/speculation.py)."""
+    then: the simulated tokens give a real speculator nothing to copy; sim/acceptance_profile.py)."""
 
     mem_util: float = 0.9
     reserve_gib: float = 2.0

@@ -19,7 +19,7 @@ workload: "rename X to Y and return the full file". So:
 - :class:`CodingSession`: the conversation so far (system, then each round's user message and
   the model's real reply, decoded) rendered by a :class:`ChatCodec` (hlserve's
   ``Tokenizer``) into the prompt's ids. It duck-types the agent session of
-  :mod:`hlserve.workloads` (``next_request``, ``complete``, ``done``) for the drivers, and its
+  :mod:`hlserve.driver.workloads` (``next_request``, ``complete``, ``done``) for the drivers, and its
   outputs are not pinned (``ignore_eos`` False): a reply ends at the model's end of turn, or
   at ``max_tokens``.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from string import Template
 from typing import Any, Protocol
 
-from hlserve.tool_time import NO_TOOL_TIME, ToolTime, check_drawn, draw_pause, tool_rng
+from hlserve.driver.tool_time import NO_TOOL_TIME, ToolTime, check_drawn, draw_pause, tool_rng
 
 VERBS = ("compute", "load", "parse", "merge", "filter", "count", "build", "find", "update",
          "format", "check", "collect", "group", "scale", "split", "render")

@@ -1,6 +1,6 @@
 """Flags and entry points of ``hlserve bench`` and ``hlserve sweep`` (docs/bench.md).
 
-``hlserve.cli.build_parser`` adds the two subcommands with :func:`add_bench_args` /
+``hlserve.cli.main.build_parser`` adds the two subcommands with :func:`add_bench_args` /
 :func:`cmd_bench` and :func:`add_sweep_args` / :func:`cmd_sweep`.
 """
 
@@ -34,8 +34,8 @@ def _floats(text: str) -> list[float | None]:
 
 
 def tool_time_arg(text: str) -> Any:
-    """``--tool-time SPEC`` (:mod:`hlserve.tool_time`), checked when the flags are read."""
-    from hlserve.tool_time import parse_tool_time
+    """``--tool-time SPEC`` (:mod:`hlserve.driver.tool_time`), checked when the flags are read."""
+    from hlserve.driver.tool_time import parse_tool_time
 
     try:
         return parse_tool_time(text)
@@ -185,7 +185,7 @@ def bench_spec(args: argparse.Namespace) -> Any:
 
 def _tool_time(given: dict[str, Any]) -> Any:
     """``--tool-time``, or ``--think-time S`` as ``fixed:S``; both at once is an error."""
-    from hlserve.tool_time import ToolTime, parse_tool_time
+    from hlserve.driver.tool_time import ToolTime, parse_tool_time
 
     spec, think = given.get("tool_time"), given.get("think_time")
     if spec is not None and think is not None:

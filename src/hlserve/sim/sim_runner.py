@@ -22,7 +22,7 @@ from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.sim.cost import CostModel, shape_of
 from hlserve.sim.hardware import GIB, Hardware, get_hardware
-from hlserve.sim.models import resolve_model
+from hlserve.sim.model_specs import resolve_model_spec
 
 
 def max_tokens_per_iteration(config: EngineConfig, max_model_len: int) -> int:
@@ -37,7 +37,7 @@ def max_tokens_per_iteration(config: EngineConfig, max_model_len: int) -> int:
 
 
 class SimRunner(Runner):
-    supports_speculation = True  # with sim/speculation.py's ProfileSpeculator
+    supports_speculation = True  # with sim/acceptance_profile.py's ProfileSpeculator
 
     def __init__(
         self,
@@ -51,7 +51,7 @@ class SimRunner(Runner):
         eos_rate: float = 0.0,
     ) -> None:
         self.hardware = get_hardware(hardware)
-        self.model_name, self.model_config = resolve_model(model or config.model)
+        self.model_name, self.model_config = resolve_model_spec(model or config.model)
         self.tp = tp
         self.cost = CostModel(self.model_config, self.hardware, tp)
         self.page_size = config.page_size

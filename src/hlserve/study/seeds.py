@@ -3,9 +3,9 @@ as a mean with a 95% interval over seeds, so that a feasibility edge or a one-po
 told from noise.
 
 Each seed is a whole study on its own workload (``hlserve study --repeats N`` or ``--seed S``):
-the tax is computed per seed, exactly as for one seed (:func:`~hlserve.sim.study.core.human_tax`),
+the tax is computed per seed, exactly as for one seed (:func:`~hlserve.study.core.human_tax`),
 and the seeds' taxes give the mean and a t interval; a gain of throughput mode over a
-configuration is the paired ratio over seeds with its Fieller interval (hlserve.stats). Only
+configuration is the paired ratio over seeds with its Fieller interval (hlserve.driver.stats). Only
 points stored under every seed take part, so each seed's tax is over the same configurations.
 ``report`` writes ``seeds.md`` and ``seeds.json`` beside the study's other files.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.points import meets_slo
-from hlserve.sim.study.core import METRIC, PRODUCTION_SLO, STRICT_SLO, human_tax, throughput
-from hlserve.stats import RatioVerdict, clean, fmt_ci, mean_ci, ratio_verdict
+from hlserve.driver.stats import RatioVerdict, clean, fmt_ci, mean_ci, ratio_verdict
+from hlserve.study.core import METRIC, PRODUCTION_SLO, STRICT_SLO, human_tax, throughput
 
 Rec = dict[str, Any]
 PointKey = tuple[int, int, str, int | None]  # context, sessions, system, knob

@@ -1,7 +1,7 @@
 """Drivers for simulated and real runs alike: steady-state closed-loop agents (the one closed
 loop of :mod:`hlserve.driver.closed_loop`, with finished sessions replaced) and open-loop
 arrivals (Poisson chat, trace timestamps). A trace's chains run closed loop on that one
-driver too, as sessions (:func:`hlserve.workloads.trace_sessions`).
+driver too, as sessions (:func:`hlserve.driver.workloads.trace_sessions`).
 
 They work with either clock. With a virtual clock (``clock.advance``) an idle engine jumps to
 the next arrival; with the wall clock it sleeps until then. Results are ``RunResult``s
@@ -24,8 +24,8 @@ from hlserve.driver.closed_loop import (
     wait_until,
 )
 from hlserve.driver.records import RequestRecord, RunResult
+from hlserve.driver.workloads import AgentWorkload, Arrival
 from hlserve.engine.engine import Engine
-from hlserve.workloads import AgentWorkload, Arrival
 
 
 def _done(records: list[RequestRecord], session_times: list[float]) -> RunResult:

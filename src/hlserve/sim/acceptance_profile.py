@@ -1,7 +1,7 @@
 """Speculative decoding on a simulated machine: an acceptance profile instead of a speculator
 that reads tokens.
 
-The simulated runner's tokens are a hash of the request and the position (sim/runner.py), so a
+The simulated runner's tokens are a hash of the request and the position (sim/sim_runner.py), so a
 real speculator (n-gram, suffix) finds nothing to copy in them. What the simulation needs is
 how often a real one proposes and how much of a draft the target accepts: an
 :class:`AcceptanceProfile`, measured on the real engine (``benchmarks/speculation.py`` writes

@@ -3,7 +3,7 @@
 - :class:`AgentWorkload`: closed-loop agent sessions. Round r's prompt is the shared system
   prompt (tool definitions), then every earlier round's prompt additions and outputs, then a
   new tool result. The next round is sent when the tool call between them has run: its
-  ``tool_time`` (:mod:`hlserve.tool_time`; zero by default, the source study's zero-gap
+  ``tool_time`` (:mod:`hlserve.driver.tool_time`; zero by default, the source study's zero-gap
   workload), drawn per round from a generator of the session's own apart from the one the
   lengths and ids come from, so a tool time never changes a prompt. Lengths come from
   configurable distributions (:class:`Dist`); with ``target_context`` a session's context
@@ -12,7 +12,7 @@
   ``output_length``, ``hash_ids`` over 512-token blocks). Each hash id maps to a fixed block of
   token ids, so two requests share exactly the prefix the trace says they share; a request
   whose hash ids begin with all of an earlier request's full-block ids continues that
-  request's session (``parent``). Replayed open loop by timestamps (``hlserve.sim.drive``),
+  request's session (``parent``). Replayed open loop by timestamps (``hlserve.study.drive``),
   or closed loop along the chains as sessions (:func:`trace_sessions`).
 - :class:`PoissonChat`: open-loop chat traffic, Poisson arrivals, the contrast case.
 - :class:`ScaledTrace` and what ``hlserve bench`` builds from it: a trace's lengths scaled
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hlserve.tool_time import NO_TOOL_TIME, ToolTime, check_drawn, draw_pause, tool_rng
+from hlserve.driver.tool_time import NO_TOOL_TIME, ToolTime, check_drawn, draw_pause, tool_rng
 
 
 @dataclass(frozen=True)
@@ -398,7 +398,7 @@ class ScaledTrace:
 def trace_requests(st: ScaledTrace, time_scale: float = 1.0, max_len: int | None = None
                    ) -> tuple[list[OpenRequest], int]:
     """Open-loop replay: request i at t_i / time_scale seconds (as
-    :func:`~hlserve.workloads.trace_arrivals`: 2 replays twice as fast). Requests whose
+    :func:`~hlserve.driver.workloads.trace_arrivals`: 2 replays twice as fast). Requests whose
     prompt + output would not fit ``max_len`` are left out; returns (requests, left out)."""
     out, skipped = [], 0
     for r in st.trace.requests:
@@ -415,7 +415,7 @@ class TraceSession:
     """A closed-loop agent session along one chain of a trace: round r's prompt is round
     r−1's prompt and output plus new ids up to the trace's (scaled) input length, at least
     ``min_new`` of them (the tool result); output lengths from the trace. Duck-types
-    :class:`~hlserve.workloads.AgentSession`."""
+    :class:`~hlserve.driver.workloads.AgentSession`."""
 
     session_id: int
     rounds_spec: list[tuple[int, int]]  # (input length, output length), scaled

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hlserve.driver.stats import mean_ci
 from hlserve.sim.hardware import Hardware
-from hlserve.sim.study.core import PRODUCTION_SLO, Point, human_tax, throughput
-from hlserve.stats import mean_ci
+from hlserve.study.core import PRODUCTION_SLO, StudyPoint, human_tax, throughput
 
 Rec = dict[str, Any]
 
@@ -139,15 +139,15 @@ TAX_SESSIONS = {32768: (16, 32, 64, 128, 256), 65536: (4, 8, 16, 32, 64, 128, 25
 
 
 def headline_points(context: int = 32768, sessions: Sequence[int] | None = None,
-                    ) -> dict[str, Point]:
+                    ) -> dict[str, StudyPoint]:
     """The points one replicate runs for the headline at ``context``: throughput mode over
     the concurrencies that decide the taxes (``sessions``, default ``TAX_SESSIONS``), and the
     two arms of each gain at 64 sessions: `sglang` at C = 8192, and throughput mode with
     chunks of 8192 (greedy prefill off: "chunking is nearly free")."""
     ns = tuple(sessions) if sessions is not None else TAX_SESSIONS.get(context, (16, 32, 64, 128))
-    pts = {f"hlserve@{n}": Point("hlserve", None, context, n) for n in ns}
-    pts["sglang8192@64"] = Point("sglang", 8192, context, 64)
-    pts["chunked@64"] = Point("hlserve-chunked", None, context, 64)
+    pts = {f"hlserve@{n}": StudyPoint("hlserve", None, context, n) for n in ns}
+    pts["sglang8192@64"] = StudyPoint("sglang", 8192, context, 64)
+    pts["chunked@64"] = StudyPoint("hlserve-chunked", None, context, 64)
     return pts
 
 

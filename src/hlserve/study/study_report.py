@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hlserve.sim.study import seeds
-from hlserve.sim.study.core import (
+from hlserve.study import seeds
+from hlserve.study.core import (
     ABLATIONS,
     PRODUCTION_SLO,
     STRICT_SLO,
@@ -24,8 +24,8 @@ from hlserve.sim.study.core import (
     tax_within_systems,
     throughput,
 )
-from hlserve.sim.study.plots import plot_components, plot_frontiers, plot_tax
-from hlserve.sim.study.runs import load_points
+from hlserve.study.plots import plot_components, plot_frontiers, plot_tax
+from hlserve.study.runs import load_points
 
 
 def plots(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> list[Path]:

@@ -1,4 +1,4 @@
-"""The study's shared pieces: its systems and SLOs, ``StudySpec`` and ``Point``,
+"""The study's shared pieces: its systems and SLOs, ``StudySpec`` and ``StudyPoint``,
 ``run_point`` (one point simulated, its JSON record), and the analysis every other module of
 the study reads points with (throughput, latency, the SLO check, the tax, the frontier,
 the components).
@@ -21,10 +21,10 @@ from typing import Any
 from hlserve.driver import points as shared
 from hlserve.driver import records
 from hlserve.driver.closed_loop import LoopResult
+from hlserve.driver.tool_time import parse_tool_time
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.sim.build import SimOptions, build_sim_engine
-from hlserve.sim.drive import run_agent_steady
-from hlserve.tool_time import parse_tool_time
-from hlserve.workloads import AgentWorkload
+from hlserve.study.drive import run_agent_steady
 
 # system -> (options, knob swept, default sweep)
 ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {
@@ -74,10 +74,10 @@ class StudySpec:
     warmup: float = 600.0
     rounds: int = 8
     output_mean: float = 200.0  # mean output tokens per round (Mooncake's tool&agent: 182)
-    prefix_reuse: bool = True  # False: no round's prompt reuses an earlier round's (workloads.py)
+    prefix_reuse: bool = True  # False: no round's prompt reuses an earlier round's (driver/workloads.py)
     wall_limit: float = 900.0
     seed: int = 0
-    # the tool call between a session's rounds (hlserve.tool_time's spec); "0": none, the
+    # the tool call between a session's rounds (hlserve.driver.tool_time's spec); "0": none, the
     # zero-gap study every stored point was made with
     tool_time: str = "0"
     version: int = 3  # bump when a change invalidates stored points
@@ -94,19 +94,22 @@ class StudySpec:
                                                "rounds", "output_mean", "prefix_reuse", "seed",
                                                "tool_time", "version")}
 
-    def points(self) -> list[Point]:
+    def points(self) -> list[StudyPoint]:
         out = []
         for ctx in self.contexts:
             for n in self.sessions:
                 for system in self.systems:
                     knobs = self.chunks if (self.chunks and system in SWEEPS) else SWEEPS.get(system, (None,))
                     for k in knobs:
-                        out.append(Point(system, k, ctx, n))
+                        out.append(StudyPoint(system, k, ctx, n))
         return out
 
 
 @dataclass(frozen=True)
-class Point:
+class StudyPoint:
+    """One cell of the study's grid: a system with its swept knob, at a context length and a
+    number of concurrent sessions (its record is in driver/points.py's point format)."""
+
     system: str
     knob: int | None  # C / B swept (None: unlimited or not applicable)
     context: int
@@ -124,7 +127,7 @@ class Point:
         return f"{self.system} {name}={self.knob or 'inf'}"
 
 
-def run_point(spec: StudySpec, point: Point, options: dict[str, Any] | None = None,
+def run_point(spec: StudySpec, point: StudyPoint, options: dict[str, Any] | None = None,
               sim: SimOptions | None = None) -> dict[str, Any]:
     """Simulate one point; returns its JSON record. ``options`` adds engine options on top of
     the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object;

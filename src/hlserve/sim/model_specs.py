@@ -50,7 +50,7 @@ MODELS: dict[str, ModelConfig] = {
 _ALIASES = {name.lower(): name for name in MODELS}
 
 
-def resolve_model(name_or_path: str | Path | ModelConfig) -> tuple[str, ModelConfig]:
+def resolve_model_spec(name_or_path: str | Path | ModelConfig) -> tuple[str, ModelConfig]:
     """``(display name, shape)`` from a known name (case-insensitive, ``Qwen/`` prefixes
     allowed), a ``config.json`` file, or a model directory holding one."""
     if isinstance(name_or_path, ModelConfig):

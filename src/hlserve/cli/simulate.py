@@ -1,6 +1,6 @@
 """Command-line entry points of the simulator: ``hlserve cost``, ``hlserve calibrate``,
 ``hlserve study``. Each is an ``add_*_args(parser)`` / ``cmd_*(args)`` pair for the main CLI;
-``python -m hlserve.sim.cli {cost,calibrate,study} ...`` runs them standalone.
+``python -m hlserve.cli.simulate {cost,calibrate,study} ...`` runs them standalone.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def _fmt(x: float) -> str:
 def cmd_cost(args: argparse.Namespace) -> None:
     from hlserve.sim.cost import CostModel
     from hlserve.sim.hardware import get_hardware, parse_cluster
-    from hlserve.sim.models import resolve_model
+    from hlserve.sim.model_specs import resolve_model_spec
 
     hw = get_hardware(args.hardware)
     tp = args.tp or parse_cluster(str(args.hardware))[1] or 1
-    name, mc = resolve_model(args.model)
+    name, mc = resolve_model_spec(args.model)
     cm = CostModel(mc, hw, tp)
     out: dict = {"model": name, "hardware": hw.name, "tp": tp}
     if args.prefill is not None:
@@ -116,7 +116,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from hlserve.models.default_model import default_model
-    from hlserve.sim.calibrate import calibrate, fidelity, write_profile
+    from hlserve.study.calibrate import calibrate, fidelity, write_profile
 
     model = args.model or str(default_model(quiet=True))
     name = args.name or args.device.split(":")[0]
@@ -153,7 +153,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def add_study_args(p: argparse.ArgumentParser) -> None:
-    from hlserve.sim.study.core import DEFAULT_SYSTEMS
+    from hlserve.study.core import DEFAULT_SYSTEMS
 
     p.add_argument("--hardware", default="H20")
     p.add_argument("--tp", type=int, default=8)
@@ -190,7 +190,7 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
 def tool_time_spec(text: str) -> str:
     """A ``--tool-time`` spec checked and written one way (``0`` for none, so a zero-gap
     point's fingerprint is the one stored points carry); an empirical file keeps its path."""
-    from hlserve.tool_time import parse_tool_time
+    from hlserve.driver.tool_time import parse_tool_time
 
     try:
         t = parse_tool_time(text)
@@ -202,9 +202,9 @@ def tool_time_spec(text: str) -> str:
 
 
 def cmd_study(args: argparse.Namespace) -> None:
-    from hlserve.sim.study.core import StudySpec
-    from hlserve.sim.study.report import report
-    from hlserve.sim.study.runs import run_study
+    from hlserve.study.core import StudySpec
+    from hlserve.study.runs import run_study
+    from hlserve.study.study_report import report
 
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     spec = StudySpec(
@@ -239,7 +239,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hlserve.sim.cli cost ...`` runs as ``hlserve cost ...`` does (the same
+    """``python -m hlserve.cli.simulate cost ...`` runs as ``hlserve cost ...`` does (the same
     subcommands, the same error handling), without importing the top-level CLI."""
     from hlserve.errors import run_command
 

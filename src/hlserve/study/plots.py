@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.driver.points import meets_slo
-from hlserve.sim.study.core import (
+from hlserve.study.core import (
     PRODUCTION_SLO,
     components,
     human_tax,

@@ -4,11 +4,11 @@ A distribution is named by a spec string: ``fixed:S`` (always S seconds; a bare 
 the same), ``exp:MEAN``, ``lognormal:MEDIAN:SIGMA`` (the log's standard deviation), or
 ``empirical:PATH`` (seconds, one a line, sampled uniformly), or ``recorded``: a trace's own
 gaps, for the closed-loop replay of a Mooncake trace's chains only
-(:class:`hlserve.workloads.TraceSession`: the pause before a chain's next round is the
+(:class:`hlserve.driver.workloads.TraceSession`: the pause before a chain's next round is the
 recorded time between the two requests, divided by the replay's time scale, less what the
 replayed round itself took, at least 0). ``0`` is no pause: the source study's zero-gap
 workload. Samples come from the caller's ``random.Random``, so a workload
-seed fixes them: an agent workload's ``tool_time`` (:class:`hlserve.workloads.AgentWorkload`)
+seed fixes them: an agent workload's ``tool_time`` (:class:`hlserve.driver.workloads.AgentWorkload`)
 is drawn per round from each session's own tool-time generator, and every closed-loop driver
 (in-process, simulated, HTTP) waits it out before the session's next round.
 """

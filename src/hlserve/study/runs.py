@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from hlserve.driver.cluster import SIMULATED, run_on_ray
 from hlserve.driver.repeats import aggregate
-from hlserve.sim.study.core import Point, StudySpec, run_point
+from hlserve.study.core import StudyPoint, StudySpec, run_point
 
 
 def point_path(pdir: Path, key: str, seed: int) -> Path:
@@ -59,7 +59,7 @@ def merge_seeds(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _record(spec_d: dict[str, Any], point_d: dict[str, Any]) -> dict[str, Any]:
     """One point's record (module-level, so that it pickles into a Ray task)."""
-    return run_point(StudySpec.of(spec_d), Point(**point_d))
+    return run_point(StudySpec.of(spec_d), StudyPoint(**point_d))
 
 
 def write_record(path: str, rec: dict[str, Any]) -> None:

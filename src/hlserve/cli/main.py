@@ -1,11 +1,10 @@
-"""``hlserve`` command line: tiny-model, generate, demo, serve, bench, sweep, cost, calibrate,
-study."""
+"""``hlserve`` command line: tiny-model, generate, demo, serve, and the parser that adds bench,
+sweep (``measure``), cost, calibrate and study (``simulate``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
-    from hlserve.bench.cli import add_bench_args, add_sweep_args, cmd_bench, cmd_sweep
+    from hlserve.cli.measure import add_bench_args, add_sweep_args, cmd_bench, cmd_sweep
 
     p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (docs/bench.md)")
     add_bench_args(p)
@@ -160,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_args(p)
     p.set_defaults(func=cmd_sweep)
 
-    from hlserve.sim.cli import add_subcommands
+    from hlserve.cli.simulate import add_subcommands
 
     add_subcommands(sub)
     return parser
@@ -171,7 +170,3 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_command(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

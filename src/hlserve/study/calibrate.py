@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from hlserve.config import EngineConfig
+from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.batch import Batch, Runner, ScheduledSeq, StepResult
 from hlserve.models.config import ModelConfig
 from hlserve.request import Request, SamplingParams
 from hlserve.sim.cost import CostModel, IterationShape, shape_of
 from hlserve.sim.fitting import OpSamples, fit_gemm, nnls_relative
 from hlserve.sim.hardware import Hardware
-from hlserve.workloads import AgentWorkload
 
 # ---- timing ---------------------------------------------------------------------------------------
 # On a CPU with one thread, time is the process's CPU time: other jobs on a shared machine then
@@ -470,7 +470,7 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
     from hlserve.driver.closed_loop import run_agent_sessions
     from hlserve.engine.engine import VirtualClock
     from hlserve.engine.factory import build_engine
-    from hlserve.sim.runner import SimRunner
+    from hlserve.sim.sim_runner import SimRunner
 
     workload = workload or AgentWorkload(**FIDELITY_WORKLOAD)
     opts = {**(engine_options or FIDELITY_OPTIONS), "device": device}
