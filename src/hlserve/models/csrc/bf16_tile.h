@@ -78,7 +78,7 @@ inline void prefetch_row(const uint16_t* row) {
 // so the requests go out spread over the repack. Issued all at once after it
 // (prefetch_keys), 256 prefetches at head_dim 64 held the loop: perf put 47% of the kernel's
 // own samples on that prefetch loop in a decode step; spread out, a decode step's attention
-// took ~9% less time (7 decodes over 500-1,600 keys, docs/bench_results.md).
+// took ~9% less time (7 decodes over 500-1,600 keys, docs/bench.md).
 template <int D, int KT>
 struct Tile {
   static_assert(D % 32 == 0 && KT % 16 == 0, "whole 16 x 16 word blocks");

@@ -1,7 +1,7 @@
 // Fused elementwise ops of a decoder layer for bf16 on the CPU: RMSNorm (with the residual
 // add before it), SiLU(gate) x up, and RoPE. Each replaces 2-8 PyTorch ops (and as many passes
 // over memory and dispatches) by one; at decode batch sizes the dispatches were most of the
-// "other model" time of a step (docs/bench_results.md).
+// "other model" time of a step (docs/bench.md).
 //
 // Each op rounds to bf16 where the PyTorch code it replaces does (models/fused.py keeps that
 // code as the fallback), so results differ from it only by the order of a sum or by the

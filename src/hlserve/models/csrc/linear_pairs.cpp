@@ -18,7 +18,7 @@
 // ahead into L2: the hardware prefetcher alone does not keep up once 7 rows of dot products
 // slow the demand loads. Neither change did much alone; together a 2-core Zen 4 streams a
 // decode step's weights at ~50 GB/s at 1-7 rows instead of 31-34, ~1.5x faster, prompt-sized
-// calls unchanged (benchmarks/decode_linears.py --against; docs/bench_results.md).
+// calls unchanged (benchmarks/decode_linears.py --against; docs/bench.md).
 //
 // gate_up_silu is the same GEMM over an MLP's merged gate/up weight packed with its gate and
 // up blocks interleaved (gate columns 16j..16j+15, then the same up columns): a task's two
