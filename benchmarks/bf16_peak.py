@@ -19,7 +19,7 @@ cases alternate, A B B A) with their range.
     python benchmarks/bf16_peak.py --rows 512 2048 --repeats 5
 
 Why it exists: whether the linear layers have headroom decides whether a faster GEMM is a
-lever for engine speed (docs/bench.md). The instruction peak needs AVX512_BF16.
+lever for engine speed (docs/bench_results.md). The instruction peak needs AVX512_BF16.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ bound rounded the way the doc words it (``floor``: "≥ 142 ms", ``ceil``: "with
 
 Not checked here: numbers from other benchmarks (sim_speed, sim_sensitivity, sim_mooncake,
 sim_cost_tables, the other rows of the sim_two_stage table, `hlserve cost` output, the
-calibration table) and from FACTS.md.
+calibration table) and the published figures of section 4.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ decode step against the memory-bandwidth roofline. Under 8 minutes on one H200.
    read (every weight once, plus each sequence's K/V) take at ``--bandwidth`` (H200: the
    4.3 TB/s a device copy reaches there).
 
-Prints a table and writes ``--result-file`` (JSON). Record what it printed in docs/bench.md.
+Prints a table and writes ``--result-file`` (JSON). Record what it printed in docs/bench_results.md.
 """
 
 from __future__ import annotations

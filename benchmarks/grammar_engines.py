@@ -1,6 +1,6 @@
 """xgrammar against llguidance on this machine: grammar compile time and per-token mask time.
 
-How the grammar engine was chosen (docs/bench.md, "Structured outputs"). Both engines get
+How the grammar engine was chosen (docs/bench_results.md, "Structured outputs"). Both engines get
 the project's own tokenizer with the 0.5B shape's vocabulary (151936 logits, as
 Qwen2.5-0.5B), the same JSON schemas, a regex and free JSON, and walk the same kind of path:
 at each step the engine fills the token bitmask, the mask is applied to random logits, the

@@ -5,7 +5,7 @@ For each of the 0.5B model's layer shapes and each row count in ``--rows``, the 
 run in A B B A order (forwards, then backwards) ``--repeats`` times; each figure is the best
 GFLOP/s over them, each time the median of ``--calls`` calls. It answers whether prefill,
 whose rows are hundreds to thousands, loses anything to a weight packed for decode's 16
-rows (on a Zen 4 host with AVX512_BF16: no, within 2%; docs/bench.md).
+rows (on a Zen 4 host with AVX512_BF16: no, within 2%; docs/bench_results.md).
 
     python benchmarks/linear_packing.py
     python benchmarks/linear_packing.py --rows 16 4096 --repeats 3

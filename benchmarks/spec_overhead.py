@@ -20,7 +20,7 @@ The simulated tokens are pseudo-random, so lookups rarely match: the worst case 
 which reads the whole context before it gives up. Medians over ``--steps`` passes per run (the slowest pass too: where requests first draft,
 their prompts are indexed, ~1 us a token once),
 arms interleaved A B C C B A over ``--repeats``; the pass budget is the 2 ms the LPM pass is
-held to (docs/bench.md, "Scheduler pass").
+held to (docs/bench_results.md, "Scheduler pass").
 
     python benchmarks/spec_overhead.py                       # 64/256 sessions x 2K/8K/32K
     python benchmarks/spec_overhead.py --sessions 64 --contexts 4096 --steps 20

@@ -59,7 +59,8 @@ def test_real_trace_chains() -> None:
     s = tr.stats()
     assert s["requests"] == 12031
     assert 3000 < s["continuations"] < 4200
-    assert s["mean_input"] == pytest.approx(12035, rel=0.01)  # FACTS.md
+    # the Mooncake paper's trace table (FAST'25, arXiv 2407.00079): conversation, mean input 12,035
+    assert s["mean_input"] == pytest.approx(12035, rel=0.01)
 
 
 def test_open_and_closed_trace_replay(tmp_path) -> None:

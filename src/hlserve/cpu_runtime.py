@@ -10,7 +10,7 @@ It is not the default because on this engine it measured slower: the agent workl
 benchmarks/peers (16 sessions x 3 rounds, 0.5B shape, 2 cores), interleaved, two repeats each:
 912-922 total tok/s with glibc malloc (told to keep freed memory, runner/cpu_alloc.py) and
 torch's own threads, against 860-867 with tcmalloc and pinned threads and 878-879 with
-tcmalloc alone (docs/bench.md, "Engine speed"). By default the server states the runtime it
+tcmalloc alone (docs/bench_results.md, "Engine speed"). By default the server states the runtime it
 has and changes nothing. Nothing is changed either on a machine with a GPU, or for a variable
 the user set (``LD_PRELOAD``, ``OMP_NUM_THREADS``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``,
 ``OMP_PLACES``).
@@ -114,7 +114,7 @@ def release_openmp_workers() -> bool:
     (loading and packing the weights: parallel regions) on the main thread and then steps it
     on the engine thread: two pools, three managed threads on two CPUs. Decode steps, a few
     hundred short regions each, then ran 1.15-1.18x slower than on the loading thread (measured
-    on this engine, 2 threads, docs/bench.md). The thread that built the engine calls this
+    on this engine, 2 threads, docs/bench_results.md). The thread that built the engine calls this
     once, before the engine thread starts stepping: its pool goes, and only the engine
     thread's remains (``omp_pause_resource_all(omp_pause_soft)``, OpenMP 5.0; libgomp frees
     the caller's pool). Nothing is done under another OpenMP runtime, where the counts differ

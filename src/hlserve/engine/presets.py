@@ -72,7 +72,8 @@ def preset_options(name: str, dev: DeviceInfo) -> dict[str, Any]:
             **_NO_CLASSES,
         )
     if name == "hlserve":
-        # throughput mode: latency caps off, safety caps kept (DESIGN, points 1-7)
+        # throughput mode: the latency caps off (chunk size, token budget, prefill delay), the
+        # safety caps kept (running requests, KV pool, model length)
         return dict(
             mixing="two_stage", chunk_size=None, token_budget=None, budget_controller="ema",
             order="lpm", lpm_fcfs_fallback=None, lpm_aging=4.0, admission="backpressure",

@@ -9,7 +9,7 @@ history otherwise). Every new token's K/V is scattered into its slot first; atte
 reads the sequence's context back through its page table.
 
 Three cases, each on the kernel that suits it (measured on the CPU, 0.5B shape, bf16; see
-docs/bench.md, "Engine speed"):
+docs/bench_results.md, "Engine speed"):
 
 - **Decode** (one new token over its context): the query heads that share a KV head are the
   rows of one query matrix, ``[kv_heads, group, head_dim]`` against that head's

@@ -2,7 +2,7 @@
 
 Two attention kernels, both reading the head-major page pool in place through each
 sequence's page table (PyTorch has no kernel that does; gathering first, then SDPA, cost ~3x
-the pool read itself; docs/bench.md, "Engine speed"):
+the pool read itself; docs/bench_results.md, "Engine speed"):
 
 - ``decode_attention``: every decode of a batch, one task per (sequence, KV head); over a
   long context a decode is memory-bound.

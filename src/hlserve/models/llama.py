@@ -136,7 +136,7 @@ class Attention(nn.Module):
 # ([rows, 2 x intermediate]) and its activation stay in cache: in one pass, 4,096 rows took
 # about as long as separate gate and up GEMMs (0.93-1.05x); in 1,024-row passes they run
 # 1.21x faster, 2,048 rows 1.19x faster, and 1,024 or fewer the same (0.5B shape, 2 threads;
-# benchmarks/merged_projections.py, docs/bench.md). Each row's result is the same to the bit.
+# benchmarks/merged_projections.py, docs/bench_results.md). Each row's result is the same to the bit.
 # With SiLU x up fused into the gate/up kernel (no [rows, 2 x intermediate] output) the pass
 # size no longer matters: 2,048 rows in passes of 512, 1,024 or 2,048 took the same time.
 CPU_MLP_ROWS = 1024

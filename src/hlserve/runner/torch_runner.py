@@ -87,7 +87,7 @@ class TorchRunner(Runner):
         if self.prefill_path == "cpu_kernel":
             # decodes ride in the prefill kernel's call as chunks of one query: since the
             # decode kernel's page walk and prefetch the two are equal at 1.4-3.8K keys and
-            # the prefill kernel's bf16 dot products are 1.27x faster at 4-8K (docs/bench.md)
+            # the prefill kernel's bf16 dot products are 1.27x faster at 4-8K (docs/bench_results.md)
             self.decode_path = "prefill_kernel"
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
