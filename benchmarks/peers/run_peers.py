@@ -56,7 +56,7 @@ from pathlib import Path
 from hlserve.bench.cli import parse_range
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
 from hlserve.models.resolve import resolve_model
-from hlserve.server.launch import ExternalServer, free_port, stop_on_sigterm
+from hlserve.server.runtime.launch import ExternalServer, free_port, stop_on_sigterm
 from hlserve.stats import clean, fmt_ci, mean_ci, ratio_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
