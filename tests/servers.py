@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlserve.server.launch import ExternalServer, free_port
+from hlserve.server.runtime.launch import ExternalServer, free_port
 
 HERE = Path(__file__).parent
 BASE_ARGS = ["--dtype", "float32", "--uvicorn-log-level", "warning", "--cpu-threads", "1"]

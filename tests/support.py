@@ -106,7 +106,7 @@ ADD_TOOL = {"type": "function", "name": "add", "description": "a + b", "paramete
 def responses_server(model_dir: Path, tmp: Path, *extra: str) -> Iterator[object]:
     """A real ``hlserve serve`` of the tiny Qwen2 model with the hermes tool parser, for the
     Responses API tests; its log must hold no traceback when it stops."""
-    from hlserve.server.launch import ServerProcess
+    from hlserve.server.runtime.launch import ServerProcess
 
     with ServerProcess(model_dir, [*RESPONSES_ARGS, *extra], log_path=tmp / "server.log") as srv:
         yield srv

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 
 MODEL = "tiny"
 ARGS = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",

@@ -32,7 +32,7 @@ from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
 from pydantic import BaseModel
 
 from hlserve.models.resolve import resolve_model
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 
 MODEL = "tiny"
 ARGS = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",

@@ -24,7 +24,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 
 MAX_LEN = 64
 FUZZ_EXAMPLES = 60  # per endpoint and mode; about 20 s in all on a 2-core machine

@@ -18,9 +18,9 @@ import uvicorn
 
 from hlserve.errors import ServiceUnavailableError
 from hlserve.llm import build_engine
-from hlserve.server.api import create_app
-from hlserve.server.args import ServerSettings
-from hlserve.server.launch import free_port
+from hlserve.server.app import create_app
+from hlserve.server.runtime.launch import free_port
+from hlserve.server.runtime.settings import ServerSettings
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
 

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlserve.bench.serve_bench import BenchSpec, run_bench
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from hlserve.sim.fitting import find_data_dir
 
 MODEL = "tiny"

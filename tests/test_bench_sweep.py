@@ -12,7 +12,7 @@ import pytest
 
 from hlserve.bench.serve_bench import BenchSpec
 from hlserve.bench.sweep import SweepSpec, make_points, run_sweep
-from hlserve.server.launch import ExternalServer, port_free
+from hlserve.server.runtime.launch import ExternalServer, port_free
 
 WORKLOAD = dict(workload="agent", sessions=3, rounds=2, system_prompt_len=64, task_len=16,
                 tool_output_len=(16, 48), output_len=(4, 8), progress=False, timeout=120)

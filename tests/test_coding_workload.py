@@ -18,7 +18,7 @@ from hlserve.driver.closed_loop import Loop, run_closed_loop
 from hlserve.driver.coding_workload import CodingWorkload, Repository
 from hlserve.errors import ModelLoadError
 from hlserve.models.resolve import resolve_model
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from hlserve.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"

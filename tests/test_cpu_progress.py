@@ -1,4 +1,4 @@
-"""The wedge check's CPU witness (server/progress.py): a thread that computes is seen to
+"""The wedge check's CPU witness (server/runtime/progress.py): a thread that computes is seen to
 progress, one that waits is not."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hlserve.server.progress import CpuProgress
+from hlserve.server.runtime.progress import CpuProgress
 
 
 def _watched(target) -> tuple[CpuProgress, threading.Thread]:

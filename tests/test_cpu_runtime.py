@@ -56,9 +56,9 @@ def test_user_settings_win() -> None:
 SPIN_PROBE = """
 import os, sys, threading, torch
 torch.set_num_threads(2)
-if sys.argv[1] == "engine":  # as a server builds it: hlserve.server.api
+if sys.argv[1] == "engine":  # as a server builds it: hlserve.server.app
     from hlserve.config import EngineConfig
-    from hlserve.server.api import build_served_engine
+    from hlserve.server.app import build_served_engine
     build_served_engine(EngineConfig(model=sys.argv[2], dtype="float32", num_pages=64))
 x = torch.randn(2_000_000)  # (one thread's fill: no parallel region)
 if sys.argv[1] != "engine":

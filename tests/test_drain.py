@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from servers import BASE_ARGS, read_stream, sse_events
 
 LONG = 600  # tokens: a few seconds of the tiny model, so the stream spans the drain

@@ -22,7 +22,7 @@ SERVER = textwrap.dedent("""
 # the benchmark: starts it the way run_peers.py and `hlserve sweep` do
 RUNNER = textwrap.dedent("""
     import sys
-    from hlserve.server.launch import ExternalServer, free_port, stop_on_sigterm
+    from hlserve.server.runtime.launch import ExternalServer, free_port, stop_on_sigterm
     stop_on_sigterm()
     port = free_port()
     with ExternalServer([sys.executable, "-c", sys.argv[1], sys.argv[2]], "127.0.0.1", port,

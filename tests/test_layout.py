@@ -1,7 +1,7 @@
 """The package's layout rules (docs/architecture.md), read from the source with ``ast``:
-imports flow down the layers and form no cycle between folders and top-level modules, nor
-between files (imports inside functions counted: one may defer a heavy import, never close a
-loop), ``engine/``
+imports flow down the layers (server/'s parts down their own) and form no cycle between
+folders and top-level modules, nor between files (imports inside functions counted: one may
+defer a heavy import, never close a loop), ``engine/``
 reaches no layer above it, ``runner/`` sees the engine only through its runner interface,
 only the CLI's own modules import ``hlserve.cli``, no function is longer than
 ``MAX_FUNCTION_LINES``, and every module opens with a docstring."""
@@ -179,6 +179,42 @@ def test_imports_flow_downward() -> None:
                  if unit(t) not in (unit(mod), "hlserve")
                  and rank(unit(t)) <= rank(unit(mod)))
     assert graph and not bad, "imports that do not flow downward (LAYERS):\n" + "\n".join(bad)
+
+
+# server/ in parts (server/__init__.py): its sub-packages and top-level modules stack as the
+# package's layers do, a part importing from itself or a line below, peers not at all
+SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("app",),  # the app factory and serve
+    ("routes",),  # the route table
+    ("responses",),  # the Responses API, on the chat path
+    ("openai_api",),  # chat and text completions: state, intake, generation, bodies, streams
+    ("tools",),  # tool calls, reasoning, constraints
+    ("protocol", "runtime"),  # the OpenAI wire format · the engine thread and the process
+)
+
+
+def server_part(mod: str) -> str | None:
+    """A module's part of server/: its sub-package or top-level module (None outside it)."""
+    parts = mod.split(".")
+    return parts[2] if parts[:2] == ["hlserve", "server"] and len(parts) > 2 else None
+
+
+def server_rank(part: str) -> int:
+    ranks = [i for i, layer in enumerate(SERVER_LAYERS) if part in layer]
+    assert ranks, f"server/{part} is in no layer: add it to SERVER_LAYERS and server/__init__.py"
+    return ranks[0]
+
+
+def test_server_parts_import_downward() -> None:
+    for part in {server_part(m) for m in MODULES} - {None}:
+        server_rank(part)  # every part has its place, imported or not
+    pairs = [(mod, t, server_part(mod), server_part(t)) for mod in MODULES for t in imports_of(mod)]
+    crossing = [(mod, t, a, b) for mod, t, a, b in pairs if a and b and a != b]
+    bad = sorted(f"{mod} -> {t}" for mod, t, a, b in crossing if server_rank(b) <= server_rank(a))
+    # the check sees what it checks: the state reaches the engine thread across parts
+    assert ("hlserve.server.openai_api.state", "hlserve.server.runtime.bridge",
+            "openai_api", "runtime") in crossing
+    assert not bad, "server/ imports that do not flow downward (SERVER_LAYERS):\n" + "\n".join(bad)
 
 
 def test_engine_imports_no_layer_above_it() -> None:

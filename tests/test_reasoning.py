@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from hlserve.server.launch import ServerProcess
-from hlserve.server.reasoning import REASONING_PARSERS, ReasoningStream
+from hlserve.server.runtime.launch import ServerProcess
+from hlserve.server.tools.reasoning import REASONING_PARSERS, ReasoningStream
 
 QWEN3 = "<think>\nThe user wants 1 + 2. That is 3.\n</think>\n\nThe answer is 3."
 R1 = "Okay, 1 + 2 = 3; no </thin trick here.\n</think>\n\nIt is **3**."

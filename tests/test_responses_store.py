@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from hlserve.server.response_store import ResponseStore, StoreLimits, json_size
+from hlserve.server.openai_api.response_store import ResponseStore, StoreLimits, json_size
 from support import ADD_TOOL as ADD
 from support import RESPONSES_MODEL as MODEL
 from support import responses_server

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hlserve import LLM, SamplingParams
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 
 MODEL = "tiny-llama"
 ALIAS = "tiny-llama-alias"

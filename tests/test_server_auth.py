@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.server.auth import KeyTable
+from hlserve.server.openai_api.auth import KeyTable
 
 
 def test_json_and_line_formats(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from servers import BASE_ARGS
 
 WITHIN_S = 1.0
@@ -240,7 +240,7 @@ def test_a_choice_the_grammar_engine_cannot_match_is_refused_before_compiling(
 def test_render_json_is_byte_for_byte_starlettes() -> None:
     from fastapi.responses import JSONResponse
 
-    from hlserve.server.responses import render_json
+    from hlserve.server.openai_api.completion_bodies import render_json
 
     rng = random.Random(0)
     entry = lambda: {"token": "é\u2028\"\\", "logprob": -rng.random() * 1e-7,  # noqa: E731
@@ -261,7 +261,7 @@ def test_a_large_body_is_built_with_no_collection() -> None:
     second behind such pauses (a CI run failed on row 4). The same build without the pause
     sets collections off, so this test can fail; the collector is back on afterwards, and
     stays off until the last of two overlapping builds is done."""
-    from hlserve.server.responses import render_json, render_large
+    from hlserve.server.openai_api.completion_bodies import render_json, render_large
 
     def build() -> dict:
         content = [{"token": "t", "logprob": -1.0, "bytes": [116],

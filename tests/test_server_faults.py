@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hlserve.llm import build_engine
-from hlserve.server.api import create_app
-from hlserve.server.args import ServerSettings
+from hlserve.server.app import create_app
+from hlserve.server.runtime.settings import ServerSettings
 
 POISON = 13  # a request with this max_tokens makes the runner raise
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from servers import metric, read_stream
 
 TIMEOUT_S = 1

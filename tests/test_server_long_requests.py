@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from servers import BASE_ARGS
 
 PROMPTS, PROMPT_LEN = 32, 1800  # ~58K prompt tokens: one step of 8-13 s on the old code

@@ -15,7 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from hlserve.tokenizer import Tokenizer
 from servers import BASE_ARGS, sse_events
 from test_penalties import hf_adjusted_greedy

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 
 CLIENTS = 200
 DROP_EVERY = 5  # clients 0, 5, 10, ... disconnect after their second chunk

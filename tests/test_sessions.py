@@ -229,7 +229,7 @@ def test_learned_ttl_follows_the_session_gaps() -> None:
 
 
 def test_metrics_publish_the_session_counters() -> None:
-    from hlserve.server.metrics import ServerMetrics
+    from hlserve.server.runtime.metrics import ServerMetrics
 
     eng = engine_for(session_ttl=1.0)
     eng.add_request(list(range(100, 140)), greedy(2), prompt_cache_key="s")

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from servers import BASE_ARGS, metric, rss_mib
 
 SOAK_S = 40.0

@@ -23,7 +23,7 @@ import pytest
 from hlserve import LLM, SamplingParams
 from hlserve.engine.args import make_config, parse_engine_args
 from hlserve.engine.spec_adaptive import MIN_GAIN, AdaptiveK, StepCostFit
-from hlserve.server.launch import ExternalServer, free_port
+from hlserve.server.runtime.launch import ExternalServer, free_port
 from servers import BASE_ARGS, metric
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from hlserve import LLM, SamplingParams
 from hlserve.engine.args import make_config, parse_engine_args
-from hlserve.server.launch import ExternalServer, free_port
+from hlserve.server.runtime.launch import ExternalServer, free_port
 from servers import BASE_ARGS, metric
 from support import hf_greedy
 

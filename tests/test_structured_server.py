@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from hlserve.tokenizer import Tokenizer
 from structured_schemas import SCHEMAS, TOOLS
 

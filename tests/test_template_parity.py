@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from hlserve import LLM, SamplingParams
 from hlserve.errors import InvalidRequestError
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from hlserve.structured.thinking import ThinkingBudget, ThinkingState
 from support import hf_greedy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hlserve.server.tool_parsers import HermesParser, Llama3JsonParser, ToolPlan, ToolStream
+from hlserve.server.tools.parsers import HermesParser, Llama3JsonParser, ToolPlan, ToolStream
 
 
 def test_hermes_calls_after_content() -> None:

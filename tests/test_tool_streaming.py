@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from hlserve.server.tool_parsers import PARSERS, ToolPlan, ToolStream
+from hlserve.server.tools.parsers import PARSERS, ToolPlan, ToolStream
 
 WEATHER_PARAMS = {"type": "object", "properties": {
     "city": {"type": "string"}, "state": {"type": "string"}, "days": {"type": "integer"},

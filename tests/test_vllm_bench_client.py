@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.server.launch import ServerProcess
+from hlserve.server.runtime.launch import ServerProcess
 from servers import BASE_ARGS
 
 VLLM_PY = Path(os.environ.get("HLSERVE_VLLM_PYTHON")

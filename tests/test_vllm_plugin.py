@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from hlserve.server.launch import ExternalServer, free_port
+from hlserve.server.runtime.launch import ExternalServer, free_port
 
 VLLM_PY = Path(os.environ.get("HLSERVE_VLLM_PYTHON")
                or Path.home() / ".cache" / "hlserve" / "venv-vllm" / "bin" / "python")

@@ -57,7 +57,7 @@ from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
 from hlserve.cli.measure import parse_range
 from hlserve.driver.stats import clean, fmt_ci, mean_ci, ratio_verdict
 from hlserve.models.resolve import resolve_model
-from hlserve.server.launch import ExternalServer, free_port, stop_on_sigterm
+from hlserve.server.runtime.launch import ExternalServer, free_port, stop_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"

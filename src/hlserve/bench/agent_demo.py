@@ -195,7 +195,7 @@ def transcript(s: SessionResult) -> str:
 
 
 def _servers(spec: AgentSpec, log: Callable[[str], None]) -> dict[str, Any]:
-    from hlserve.server.launch import ServerProcess
+    from hlserve.server.runtime.launch import ServerProcess
 
     log(f"starting two hlserve serve processes on {spec.model} (SLO mode, throughput mode) ...")
     return {name: ServerProcess(spec.model, [*spec.server_args, "--mode", mode],

@@ -42,7 +42,7 @@ from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.records import headline, summarize
 from hlserve.engine.args import parse_engine_args
-from hlserve.server.launch import ExternalServer, free_port
+from hlserve.server.runtime.launch import ExternalServer, free_port
 
 # ---- points -------------------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: SweepPoint, spe
         gc.collect()
 
 
-# ---- servers on their own ports: hlserve.server.launch ------------------------------------
+# ---- servers on their own ports: hlserve.server.runtime.launch ----------------------------
 
 
 def server_command(template: str, point: SweepPoint, model: str, host: str,

@@ -81,8 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     arrange(getattr(args, "device", "auto"))  # may re-execute this command once, first
     from hlserve.llm import engine_config
-    from hlserve.server.api import serve
-    from hlserve.server.args import DEFAULT_MAX_STEP_SECONDS, server_settings
+    from hlserve.server.app import serve
+    from hlserve.server.runtime.settings import DEFAULT_MAX_STEP_SECONDS, server_settings
 
     # the one EngineConfig: the flags given over the preset's knobs, for this machine; a
     # server keeps the step-time safety cap unless told otherwise (no request holds it)
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 
-    from hlserve.server.args import add_server_args
+    from hlserve.server.runtime.settings import add_server_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
     p.add_argument("model", help="model directory, .gguf file, or smollm2-135m")

@@ -300,7 +300,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         command="hlserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"]
         else "hlserve sweep ...", title=args.title, repeats=args.repeats, ray=args.ray,
     )
-    from hlserve.server.launch import stop_on_sigterm
+    from hlserve.server.runtime.launch import stop_on_sigterm
 
     stop_on_sigterm()  # a stopped sweep takes the server of its current point with it
     summary = run_sweep(sw)

@@ -213,7 +213,7 @@ class _Common(_Strict):
     # vLLM's: at most this many tokens per <think> section, then </think> is forced; -1:
     # unlimited. Needs --reasoning-parser (generation.py: with_thinking_budget)
     thinking_token_budget: int | None = Field(None, ge=-1, le=INT32_MAX)
-    # output constraints (server/guided.py): OpenAI's response_format, vLLM's
+    # output constraints (server/tools/constraints.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* extras; at most one per request
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -2,7 +2,7 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` with
 ``GET|DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
-(server/responses_api.py), ``GET /v1/models``,
+(server/responses/endpoint.py), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (and their ``/v1/``
 aliases), ``GET|HEAD /health``, ``GET|POST|HEAD /ping``, ``GET /metrics`` and
 ``GET /version``. A generation handler is intake, tokenizing, constraining and submitting
@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from hlserve.server.events import RequestGroup
-from hlserve.server.generation import (
+from hlserve.server.openai_api.completion_bodies import chat_body, completion_body, render_large
+from hlserve.server.openai_api.generation import (
     chat_reasoning,
     chat_tool_plan,
     collect,
@@ -29,7 +29,7 @@ from hlserve.server.generation import (
     sampling,
     submit,
 )
-from hlserve.server.intake import (
+from hlserve.server.openai_api.intake import (
     Inbound,
     check_batch,
     check_model,
@@ -37,13 +37,20 @@ from hlserve.server.intake import (
     read_plain,
     read_request,
 )
-from hlserve.server.metrics import CONTENT_TYPE
-from hlserve.server.prompts import (
+from hlserve.server.openai_api.prompts import (
     encode_bounded,
     encode_chat,
     encode_prompts,
     need_tokenizer,
     no_tokenizer,
+)
+from hlserve.server.openai_api.state import ServerState, hlserve_version, state_of
+from hlserve.server.openai_api.streaming import (
+    ChatChunks,
+    Chunks,
+    CompletionChunks,
+    EngineStreamResponse,
+    stream,
 )
 from hlserve.server.protocol import (
     ApiError,
@@ -55,22 +62,15 @@ from hlserve.server.protocol import (
     error_body,
     new_id,
 )
-from hlserve.server.responses import chat_body, completion_body, render_large
-from hlserve.server.responses_api import (
+from hlserve.server.responses.endpoint import (
     ResponsesRequest,
     cancel_response,
     create_response,
     delete_response,
     get_response,
 )
-from hlserve.server.state import ServerState, hlserve_version, state_of
-from hlserve.server.streaming import (
-    ChatChunks,
-    Chunks,
-    CompletionChunks,
-    EngineStreamResponse,
-    stream,
-)
+from hlserve.server.runtime.events import RequestGroup
+from hlserve.server.runtime.metrics import CONTENT_TYPE
 
 # ---- plain endpoints -------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Prompts into token ids, with the work bounded by the context.
 
 Text prompts and chats are tokenized (chats rendered with the model's chat template first),
-when large in the server's ``prep`` pool under the client's limit (:mod:`hlserve.server.offload`):
-the chat's messages are prepared for the template there too, never on the event loop. A text far longer than the context is tokenized in part
+when large in the server's ``prep`` pool under the client's limit
+(:mod:`hlserve.server.runtime.offload`): the chat's messages are prepared for the template
+there too, never on the event loop. A text far longer than the context is tokenized in part
 first and refused if that part alone is over the context (``HEAD_CHARS_PER_TOKEN``), so
 what a prompt costs is bounded by the context, not by the size of the body.
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from hlserve.errors import InvalidRequestError
-from hlserve.server.agent_checks import parse_tool_call_arguments, reasoning_kwargs
-from hlserve.server.intake import OFFLOAD_CHARS
+from hlserve.server.openai_api.intake import OFFLOAD_CHARS
+from hlserve.server.openai_api.state import ServerState
 from hlserve.server.protocol import ApiError, ChatCompletionRequest
-from hlserve.server.state import ServerState
+from hlserve.server.tools.agent_checks import parse_tool_call_arguments, reasoning_kwargs
 from hlserve.tokenizer import Tokenizer
 
 HEAD_CHARS_PER_TOKEN = 32  # prompts longer than this x the context are tokenized in part first

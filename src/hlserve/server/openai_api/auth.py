@@ -35,9 +35,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from hlserve.request import REQUEST_CLASSES
-from hlserve.server.errors import log_error
-from hlserve.server.metrics import ServerMetrics
+from hlserve.server.openai_api.error_replies import log_error
 from hlserve.server.protocol import error_body
+from hlserve.server.runtime.metrics import ServerMetrics
 
 KEY_SCOPE = "hlserve.api_key"  # the ApiKey the auth middleware accepted
 OPEN_PATHS = frozenset({"/health", "/ping", "/openapi.json", "/docs", "/docs/oauth2-redirect"})

@@ -10,7 +10,7 @@ is reshaped into a ``response`` object: a ``reasoning`` item, a ``message`` item
 ``output_text`` and one ``function_call`` item per parsed call.
 
 Responses are stored (``store``, true by default as OpenAI's) in the bounded, per-tenant
-store of server/response_store.py; ``previous_response_id`` puts the stored conversation
+store of server/openai_api/response_store.py; ``previous_response_id`` puts the stored conversation
 between this request's instructions and its input. ``GET /v1/responses/{id}`` answers a
 stored response, ``DELETE`` forgets it, and ``POST /v1/responses/{id}/cancel`` is vLLM's
 400 (no response here runs in the background).
@@ -31,8 +31,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
-from hlserve.server.agent_checks import check_response_format, check_tools
-from hlserve.server.generation import (
+from hlserve.server.openai_api.completion_bodies import chat_body
+from hlserve.server.openai_api.generation import (
     chat_reasoning,
     chat_tool_plan,
     collect,
@@ -40,7 +40,7 @@ from hlserve.server.generation import (
     sampling,
     submit,
 )
-from hlserve.server.intake import (
+from hlserve.server.openai_api.intake import (
     OFFLOAD_CHARS,
     Inbound,
     caller_of,
@@ -50,7 +50,16 @@ from hlserve.server.intake import (
     parse_body,
     read_body,
 )
-from hlserve.server.prompts import encode_chat
+from hlserve.server.openai_api.prompts import encode_chat
+from hlserve.server.openai_api.response_store import (
+    StoredResponse,
+    output_messages,
+    previous_not_found,
+    response_not_found,
+    tenant_of,
+)
+from hlserve.server.openai_api.state import ServerState, state_of
+from hlserve.server.openai_api.streaming import ChatChunks, EngineStreamResponse
 from hlserve.server.protocol import (
     INT32_MAX,
     ApiError,
@@ -60,15 +69,7 @@ from hlserve.server.protocol import (
     now_s,
     validation_error,
 )
-from hlserve.server.response_store import (
-    StoredResponse,
-    output_messages,
-    previous_not_found,
-    response_not_found,
-    tenant_of,
-)
-from hlserve.server.responses import chat_body
-from hlserve.server.responses_stream import (
+from hlserve.server.responses.output_items import (
     ResponseEvents,
     final_status,
     function_call_item,
@@ -78,8 +79,7 @@ from hlserve.server.responses_stream import (
     response_stream,
     response_usage,
 )
-from hlserve.server.state import ServerState, state_of
-from hlserve.server.streaming import ChatChunks, EngineStreamResponse
+from hlserve.server.tools.agent_checks import check_response_format, check_tools
 
 # the Responses API's hosted tools: a model served here cannot call any of them
 BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",

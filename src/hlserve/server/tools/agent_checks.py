@@ -78,7 +78,7 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
         raise _refuse("tools must not be an empty list (omit it for no tools)", "tools")
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
-            continue  # tool_parsers' shape check words this one
+            continue  # parsers.py's shape check words this one
         _extra(tool, TOOL_KEYS, f"tools.{i}")
         fn = tool.get("function")
         if isinstance(fn, dict):
@@ -100,7 +100,7 @@ def check_response_format(rf: dict[str, Any] | None) -> None:
         return
     kind = rf.get("type", "text")
     if kind not in RESPONSE_FORMAT_KEYS:
-        return  # guided.py names the types
+        return  # constraints.py names the types
     if kind == "json_object" and "schema" in rf:
         raise _refuse("response_format json_object takes no schema; use {'type': "
                       "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",

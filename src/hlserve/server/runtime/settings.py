@@ -14,9 +14,9 @@ from pathlib import Path
 
 from hlserve.config import parse_cap
 
-# vLLM's names (server/tool_parsers.py)
+# vLLM's names (server/tools/parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names (server/reasoning.py)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names (server/tools/reasoning.py)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROMPTS = 256
 # limits of hlserve serve (docs/server.md, "Limits")
@@ -33,7 +33,7 @@ DEFAULT_REQUEST_PREFILL_WINDOW = 8192
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_READ_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's and vLLM's
-# stored responses of /v1/responses (server/response_store.py): count and JSON bytes
+# stored responses of /v1/responses (server/openai_api/response_store.py): count and JSON bytes
 DEFAULT_RESPONSES_STORE_MAX = 1000
 DEFAULT_RESPONSES_STORE_MAX_BYTES = 128 * 1024 * 1024
 

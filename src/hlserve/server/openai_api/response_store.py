@@ -29,9 +29,12 @@ from typing import Any
 
 from fastapi import Request
 
-from hlserve.server.args import DEFAULT_RESPONSES_STORE_MAX, DEFAULT_RESPONSES_STORE_MAX_BYTES
-from hlserve.server.auth import KEY_SCOPE, ApiKey
+from hlserve.server.openai_api.auth import KEY_SCOPE, ApiKey
 from hlserve.server.protocol import ApiError
+from hlserve.server.runtime.settings import (
+    DEFAULT_RESPONSES_STORE_MAX,
+    DEFAULT_RESPONSES_STORE_MAX_BYTES,
+)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hlserve.errors import ServiceUnavailableError
-from hlserve.server.bridge import EngineBridge
+from hlserve.server.runtime.bridge import EngineBridge
 
 log = logging.getLogger("hlserve.server")
 

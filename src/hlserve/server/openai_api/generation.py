@@ -16,16 +16,16 @@ from fastapi import Request
 
 from hlserve.errors import InvalidRequestError
 from hlserve.request import RequestOutput, SamplingParams
-from hlserve.server.agent_checks import check_constrained
-from hlserve.server.errors import engine_error, output_error
-from hlserve.server.events import EventSink, RequestGroup, Submission
-from hlserve.server.guided import named_constraint, request_constraint
-from hlserve.server.intake import Inbound
-from hlserve.server.limits import check_logprob_volume
+from hlserve.server.openai_api.error_replies import engine_error, output_error
+from hlserve.server.openai_api.intake import Inbound
+from hlserve.server.openai_api.limits import check_logprob_volume
+from hlserve.server.openai_api.state import ServerState
 from hlserve.server.protocol import ApiError, ChatCompletionRequest, context_length_error
-from hlserve.server.reasoning import ReasoningParser, reasoning_for
-from hlserve.server.state import ServerState
-from hlserve.server.tool_parsers import ToolPlan, tool_plan
+from hlserve.server.runtime.events import EventSink, RequestGroup, Submission
+from hlserve.server.tools.agent_checks import check_constrained
+from hlserve.server.tools.constraints import named_constraint, request_constraint
+from hlserve.server.tools.parsers import ToolPlan, tool_plan
+from hlserve.server.tools.reasoning import ReasoningParser, reasoning_for
 from hlserve.structured import StructuredOutputsParams
 from hlserve.structured.grammar import GrammarState
 

@@ -1,6 +1,6 @@
 """The Responses API's output items and its streamed events.
 
-A streamed response is chat's stream (:func:`hlserve.server.streaming.stream`, with its
+A streamed response is chat's stream (:func:`hlserve.server.openai_api.streaming.stream`, with its
 reasoning and tool-call deltas) re-said as Responses events: ``response.created`` and
 ``response.in_progress``; per output item ``response.output_item.added``, its deltas
 (``response.reasoning_text.delta``, ``response.content_part.added`` then
@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hlserve.server.events import RequestGroup
+from hlserve.server.openai_api.streaming import SSE_DONE, ChatChunks, sse, stream
 from hlserve.server.protocol import new_id
-from hlserve.server.streaming import SSE_DONE, ChatChunks, sse, stream
+from hlserve.server.runtime.events import RequestGroup
 
 # ---- output items -----------------------------------------------------------------------------
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from hlserve.request import RequestOutput
-from hlserve.server.generation import chat_reasoning, chat_tool_plan
-from hlserve.server.logprobs import chat_logprobs, completion_logprobs
+from hlserve.server.openai_api.generation import chat_reasoning, chat_tool_plan
+from hlserve.server.openai_api.logprobs import chat_logprobs, completion_logprobs
+from hlserve.server.openai_api.state import ServerState
 from hlserve.server.protocol import ChatCompletionRequest, CompletionRequest, now_s, usage
-from hlserve.server.reasoning import apply_reasoning
-from hlserve.server.state import ServerState
-from hlserve.server.tool_parsers import apply_tool_calls
+from hlserve.server.tools.parsers import apply_tool_calls
+from hlserve.server.tools.reasoning import apply_reasoning
 
 
 def common_choice(out: RequestOutput, return_ids: bool) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def chat_body(st: ServerState, rid: str, model: str, req: ChatCompletionRequest,
                 chat_logprobs(st.tokenizer, o.token_ids, o.logprobs),
                 "finish_reason": o.finish_reason, **common_choice(o, req.return_token_ids)}
                for i, o in enumerate(outs)]
-    apply_reasoning(chat_reasoning(st, req), choices)  # server/reasoning.py
+    apply_reasoning(chat_reasoning(st, req), choices)  # server/tools/reasoning.py
     apply_tool_calls(chat_tool_plan(st, req)[0], choices, outs)
     return {"id": rid, "object": "chat.completion", "created": now_s(), "model": model,
             "choices": choices, "usage": total_usage(outs, req.n)}
@@ -128,7 +128,7 @@ class _CollectorPause:
     """Python's cyclic collector off while any thread builds a large body. A large logprobs
     answer is half a million small dicts and lists, alive until serialised; each full
     collection the build set off walked all of them holding the GIL, 0.1-0.3 s in which the
-    event loop answered nothing (the start-up heap is frozen: server/api.py). The bodies hold
+    event loop answered nothing (the start-up heap is frozen: server/app.py). The bodies hold
     no cycles, and are freed, by reference count, before the collector is back on."""
 
     def __init__(self) -> None:

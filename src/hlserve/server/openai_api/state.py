@@ -15,16 +15,16 @@ from pathlib import Path
 from fastapi import Request
 
 from hlserve.engine.engine import Engine
-from hlserve.server.args import ServerSettings
-from hlserve.server.auth import KeyTable
-from hlserve.server.bridge import BridgeLimits, EngineBridge
-from hlserve.server.defaults import SamplingDefaults
-from hlserve.server.metrics import ServerMetrics
-from hlserve.server.offload import Offload, OffloadLimits
+from hlserve.server.openai_api.auth import KeyTable
+from hlserve.server.openai_api.generation_defaults import SamplingDefaults
+from hlserve.server.openai_api.response_store import ResponseStore, StoreLimits
 from hlserve.server.protocol import now_s
-from hlserve.server.reasoning import END as THINK_END
-from hlserve.server.reasoning import START as THINK_START
-from hlserve.server.response_store import ResponseStore, StoreLimits
+from hlserve.server.runtime.bridge import BridgeLimits, EngineBridge
+from hlserve.server.runtime.metrics import ServerMetrics
+from hlserve.server.runtime.offload import Offload, OffloadLimits
+from hlserve.server.runtime.settings import ServerSettings
+from hlserve.server.tools.reasoning import END as THINK_END
+from hlserve.server.tools.reasoning import START as THINK_START
 from hlserve.structured.thinking import ThinkingBudget
 from hlserve.tokenizer import Tokenizer
 

@@ -8,11 +8,11 @@ in one dedicated thread that owns it outright: nothing else calls into the engin
   sleeps on the condition when it has nothing to do.
 - **Out**: after each drain and each step the engine thread hands everything it produced to
   the event loop in one ``loop.call_soon_threadsafe`` call, which puts each event on the
-  :class:`~hlserve.server.events.EventSink` of the HTTP request it belongs to. Events are
+  :class:`~hlserve.server.runtime.events.EventSink` of the HTTP request it belongs to. Events are
   ``(kind, index, payload)``: ``added`` (the engine accepted the request), ``output`` (a
   cumulative :class:`RequestOutput`), ``error`` (an exception: rejected, or failed). The
   request's side (sink, submissions, the group its handler reads) is
-  :mod:`hlserve.server.events`.
+  :mod:`hlserve.server.runtime.events`.
 - **Limits** (:class:`BridgeLimits`): queued requests and queued prompt tokens are capped
   (:class:`ServiceUnavailableError` ``queue_full``, 503 with Retry-After; a request that
   could never fit a cap is a 400), a request past its deadline is ended with an error, and
@@ -48,23 +48,23 @@ from typing import Any
 from hlserve.engine.engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import REQUEST_CLASSES, Request, RequestOutput
-from hlserve.server.args import (
-    DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
-    DEFAULT_MAX_QUEUED_REQUESTS,
-    DEFAULT_MAX_QUEUED_TOKENS,
-    DEFAULT_REQUEST_PREFILL_WINDOW,
-)
-from hlserve.server.events import Event, EventSink, Submission
-from hlserve.server.metrics import FINISH_REASONS, ServerMetrics
-from hlserve.server.offload import start_thread
-from hlserve.server.progress import CpuProgress
-from hlserve.server.prompt_window import (
+from hlserve.server.runtime.events import Event, EventSink, Submission
+from hlserve.server.runtime.metrics import FINISH_REASONS, ServerMetrics
+from hlserve.server.runtime.offload import start_thread
+from hlserve.server.runtime.progress import CpuProgress
+from hlserve.server.runtime.prompt_window import (
     Held,
     fit_window,
     prompt_tokens,
     sibling_rejected,
     timeout_error,
     units_of,
+)
+from hlserve.server.runtime.settings import (
+    DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_QUEUED_TOKENS,
+    DEFAULT_REQUEST_PREFILL_WINDOW,
 )
 
 log = logging.getLogger("hlserve.server")

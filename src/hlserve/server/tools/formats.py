@@ -11,7 +11,7 @@
   ``<|python_end|>``; arguments are Python literals.
 
 Each parser gives ``extract(text) -> (content, [(name, arguments as JSON text)])`` and
-``segments(text)`` (the calls so far, for streaming: server/tool_streaming.py).
+``segments(text)`` (the calls so far, for streaming: server/tools/streamed_calls.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from hlserve.server.tool_streaming import WHOLE, CallSegment, partial_json
+from hlserve.server.tools.streamed_calls import WHOLE, CallSegment, partial_json
 
 Calls = list[tuple[str, str]]
 

@@ -6,9 +6,9 @@ features, tools, response format, batch caps), completed with the model's sampli
 for the fields it leaves out, and given its caller: the request class, priority and
 prefix-cache salt that the request, its headers and its API key imply. Large bodies
 (``OFFLOAD_CHARS``) are counted (``limits.check_body_nodes``) and parsed in the server's
-``prep`` pool under the client's limit (:mod:`hlserve.server.offload`), never on the event
+``prep`` pool under the client's limit (:mod:`hlserve.server.runtime.offload`), never on the event
 loop. What comes out is an :class:`Inbound`, ready to be tokenized
-(:mod:`hlserve.server.prompts`).
+(:mod:`hlserve.server.openai_api.prompts`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from starlette.requests import ClientDisconnect
 
 from hlserve.engine.sessions import session_key
 from hlserve.request import REQUEST_CLASSES
-from hlserve.server.agent_checks import check_response_format, check_tools
-from hlserve.server.auth import KEY_SCOPE, ApiKey
-from hlserve.server.errors import ClientGone
-from hlserve.server.limits import check_body_nodes
+from hlserve.server.openai_api.auth import KEY_SCOPE, ApiKey
+from hlserve.server.openai_api.error_replies import ClientGone
+from hlserve.server.openai_api.limits import check_body_nodes
+from hlserve.server.openai_api.state import ServerState
 from hlserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -37,7 +37,7 @@ from hlserve.server.protocol import (
     clip,
     validation_error,
 )
-from hlserve.server.state import ServerState
+from hlserve.server.tools.agent_checks import check_response_format, check_tools
 
 OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized in a thread
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest)

@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import RequestOutput
-from hlserve.server.bridge import RequestFailed
 from hlserve.server.protocol import ApiError, clip, error_body, invalid_request
+from hlserve.server.runtime.bridge import RequestFailed
 
 log = logging.getLogger("hlserve.server")
 

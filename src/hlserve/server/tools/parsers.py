@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.server.protocol import ApiError
-from hlserve.server.tool_formats import MistralFormat, PythonicFormat, Qwen3CoderFormat
-from hlserve.server.tool_streaming import (
+from hlserve.server.tools.formats import MistralFormat, PythonicFormat, Qwen3CoderFormat
+from hlserve.server.tools.streamed_calls import (
     CallSegment,
     CallStreamer,
     hermes_segments,
@@ -56,7 +56,7 @@ class ToolParser:
         raise NotImplementedError
 
     def segments(self, text: str) -> list[CallSegment]:
-        """The calls in ``text`` so far, as partial JSON (server/tool_streaming.py)."""
+        """The calls in ``text`` so far, as partial JSON (server/tools/streamed_calls.py)."""
         raise NotImplementedError
 
 
@@ -117,7 +117,7 @@ class Llama3JsonParser(ToolParser):
 
 
 class FormatParser(ToolParser):
-    """A parser of server/tool_formats.py (which knows nothing of ToolCall)."""
+    """A parser of server/tools/formats.py (which knows nothing of ToolCall)."""
 
     format: Any = None
 
@@ -280,7 +280,7 @@ def apply_tool_calls(plan: ToolPlan, choices: list[dict[str, Any]],
     if plan.mode is None:
         return
     for c, o in zip(choices, outs, strict=True):
-        # the content: the text, less any reasoning split out before (server/reasoning.py)
+        # the content: the text, less any reasoning split out before (server/tools/reasoning.py)
         content, calls, reason = plan.final(c["message"]["content"] or "", o.finish_reason)
         c["message"]["content"] = content
         if calls:
@@ -291,7 +291,7 @@ def apply_tool_calls(plan: ToolPlan, choices: list[dict[str, Any]],
 class ToolStream:
     """One streamed choice's tool calls, as vLLM streams them. Named: the arguments stream
     as they are generated. Required and auto: each call's name once complete, then its
-    arguments as generated (server/tool_streaming.py); text that may start a call is held
+    arguments as generated (server/tools/streamed_calls.py); text that may start a call is held
     back from ``content``. Concatenated by index, the deltas are the unstreamed calls."""
 
     def __init__(self, plan: ToolPlan) -> None:

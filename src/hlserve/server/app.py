@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP server: ``hlserve serve MODEL_DIR``.
 
 FastAPI on uvicorn, one process. The engine runs in its own thread
-(:mod:`hlserve.server.bridge`); handlers parse and validate a request
-(:mod:`~hlserve.server.intake`), tokenize it (:mod:`~hlserve.server.prompts`), hand it to
-the engine thread (:mod:`~hlserve.server.generation`) and turn the engine's cumulative
-outputs into OpenAI bodies (:mod:`~hlserve.server.responses`) or SSE chunks
-(:mod:`~hlserve.server.streaming`); errors are answered in one shape
-(:mod:`~hlserve.server.errors`). Nothing blocks the event loop: large bodies are parsed,
-templated and tokenized in a worker thread.
+(:mod:`hlserve.server.runtime.bridge`); handlers parse and validate a request
+(:mod:`~hlserve.server.openai_api.intake`), tokenize it
+(:mod:`~hlserve.server.openai_api.prompts`), hand it to the engine thread
+(:mod:`~hlserve.server.openai_api.generation`) and turn the engine's cumulative outputs into
+OpenAI bodies (:mod:`~hlserve.server.openai_api.completion_bodies`) or SSE chunks
+(:mod:`~hlserve.server.openai_api.streaming`); errors are answered in one shape
+(:mod:`~hlserve.server.openai_api.error_replies`). Nothing blocks the event loop: large
+bodies are parsed, templated and tokenized in a worker thread.
 
 This module assembles the app (:func:`create_app`: state, auth, error handlers, the routes
 of :mod:`~hlserve.server.routes`, the OpenAPI schema, the engine thread's lifespan) and
@@ -34,10 +35,9 @@ from hlserve.cpu_runtime import release_openmp_workers
 from hlserve.engine.engine import Engine
 from hlserve.engine.factory import build_engine
 from hlserve.runner.torch_runner import TorchRunner
-from hlserve.server.args import ServerSettings
-from hlserve.server.auth import AuthMiddleware, KeyTable
-from hlserve.server.errors import add_exception_handlers
-from hlserve.server.lifecycle import run_server
+from hlserve.server.openai_api.auth import AuthMiddleware, KeyTable
+from hlserve.server.openai_api.error_replies import add_exception_handlers
+from hlserve.server.openai_api.state import ServerState, hlserve_version
 from hlserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,9 +45,10 @@ from hlserve.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from hlserve.server.responses_api import ResponsesRequest
+from hlserve.server.responses.endpoint import ResponsesRequest
 from hlserve.server.routes import add_routes
-from hlserve.server.state import ServerState, hlserve_version
+from hlserve.server.runtime.lifecycle import run_server
+from hlserve.server.runtime.settings import ServerSettings
 from hlserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hlserve.server")

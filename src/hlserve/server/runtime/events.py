@@ -6,7 +6,7 @@ sharing one :class:`EventSink` that the engine thread fills through the loop wit
 :class:`~hlserve.request.RequestOutput`) and ``error``. :class:`RequestGroup` reads that
 sink as the handler needs it: wait until every prompt is accepted, then batches of the
 latest output (or error) per prompt, and abort what is unfinished when the answer ends early.
-The engine thread's side is :mod:`hlserve.server.bridge`.
+The engine thread's side is :mod:`hlserve.server.runtime.bridge`.
 """
 
 from __future__ import annotations

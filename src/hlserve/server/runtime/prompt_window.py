@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hlserve.errors import InvalidRequestError, ServiceUnavailableError
-from hlserve.server.events import EventSink, Submission
+from hlserve.server.runtime.events import EventSink, Submission
 
 
 @dataclass(eq=False)

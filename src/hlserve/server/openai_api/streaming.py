@@ -16,13 +16,13 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from hlserve.request import RequestOutput, TokenLogprobs
-from hlserve.server.errors import engine_error, output_error
-from hlserve.server.events import RequestGroup
-from hlserve.server.logprobs import chat_logprobs, completion_logprobs
+from hlserve.server.openai_api.completion_bodies import total_usage
+from hlserve.server.openai_api.error_replies import engine_error, output_error
+from hlserve.server.openai_api.logprobs import chat_logprobs, completion_logprobs
 from hlserve.server.protocol import now_s, usage
-from hlserve.server.reasoning import ReasoningParser, ReasoningStream
-from hlserve.server.responses import total_usage
-from hlserve.server.tool_parsers import ToolPlan, ToolStream
+from hlserve.server.runtime.events import RequestGroup
+from hlserve.server.tools.parsers import ToolPlan, ToolStream
+from hlserve.server.tools.reasoning import ReasoningParser, ReasoningStream
 from hlserve.tokenizer import Tokenizer
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -146,7 +146,7 @@ class ChatChunks(Chunks):
             thought, full = rs.step(out.text, out.finished)
             sent = self.__dict__.setdefault("_content_sent", {})
             text, sent[index] = full[sent.get(index, 0):], len(full)
-        if self.tool_plan.mode is not None:  # tool calls as deltas (server/tool_parsers.py)
+        if self.tool_plan.mode is not None:  # tool calls as deltas (server/tools/parsers.py)
             streams = self.__dict__.setdefault("_tool_streams", {})
             ts = streams.setdefault(index, ToolStream(self.tool_plan))
             delta, reason = ts.delta(text, full, out.finished, out.finish_reason)
