@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.sim import fitting
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import HARDWARE
 from hlserve.sim.model_specs import MODELS

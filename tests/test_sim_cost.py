@@ -12,6 +12,7 @@ from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import HARDWARE, Hardware, get_hardware, parse_cluster
 from hlserve.sim.model_specs import MODELS, resolve_model_spec
 
+
 @pytest.mark.parametrize("gpu", ["a100", "h100"])
 def test_gemm_fit_reproduces_vidur_profiles(gpu: str) -> None:
     """The fitted efficiency curve reproduces the GEMM profiles it was fitted to: median

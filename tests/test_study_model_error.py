@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from hlserve.sim import fitting
 from hlserve.sim.hardware import get_hardware
 from hlserve.study import model_error as me
 from hlserve.study.core import StudyPoint, StudySpec, run_point, throughput
