@@ -14,8 +14,9 @@ from hlserve.engine.args import parse_engine_args
 from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies.lpm import LongestPrefixMatch, make_order
+from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.policies.order import ProgramOrder
+from hlserve.engine.scheduler import Scheduler
 from hlserve.request import Request, SamplingParams
 from support import HistoryRunner
 
@@ -124,7 +125,7 @@ def test_order_program_is_a_flag_and_builds_program_order_over_lpm() -> None:
     opts = parse_engine_args(["--order", "program", "--program-aging-steps", "8"])
     assert opts == {"order": "program", "program_aging_steps": 8}
     cfg = EngineConfig(model="-", **opts)
-    order = make_order(cfg, KVCacheManager(16, PS))
+    order = Scheduler(cfg, KVCacheManager(16, PS)).order  # order.make_order, the tree's LPM
     assert isinstance(order, ProgramOrder) and order.aging_steps == 8
     assert isinstance(order.inner, LongestPrefixMatch)
     with pytest.raises(ValueError, match="program_aging_steps"):
