@@ -4,8 +4,8 @@ A server builds its engine on the main thread and steps it on the engine thread.
 OpenMP (torch's CPU wheels) each of the two threads then has a pool of workers, and once the
 runtime manages more threads than there are CPUs it throttles every idle worker's spin to
 100 iterations: the engine thread's worker sleeps between parallel regions and is woken by
-futex at the next. ``server.app.build_served_engine`` gives the main thread's pool back
-(``cpu_runtime.release_openmp_workers``). This script measures what that is worth.
+futex at the next. ``server.api.serve`` gives the main thread's pool back once the engine is
+built (``cpu_runtime.release_openmp_workers``). This script measures what that is worth.
 
 The real ``TorchRunner`` (random 0.5B model, bf16) is built on the main thread; steps run on
 a second, long-lived thread, as the server's engine thread. Each way, ``kept`` (the main

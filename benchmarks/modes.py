@@ -18,7 +18,7 @@ import torch
 
 from hlserve.driver.closed_loop import run_agent_sessions
 from hlserve.driver.workloads import AgentWorkload
-from hlserve.llm import build_engine
+from hlserve.llm import LLM
 from hlserve.models.default_model import default_model
 
 CONFIGS: dict[str, dict[str, object]] = {
@@ -36,7 +36,7 @@ def compare_configs(model: str, configs: dict[str, dict[str, object]], workload:
     the other in this process, and return each run's summary."""
     results = {}
     for name, options in configs.items():
-        engine = build_engine(model, **{**common, **options})
+        engine = LLM(model, **{**common, **options}).engine
         summary = run_agent_sessions(engine, workload, progress=progress).summary()
         summary["retractions"] = engine.num_retractions
         summary["iterations"] = engine.stats.steps

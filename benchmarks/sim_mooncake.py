@@ -70,7 +70,7 @@ def main() -> None:
         print(f"{name:12s} {wall:7.1f} {s['total_token_throughput']:8.0f} "
               f"{s['median_ttft_ms'] / 1e3:7.2f} / {s['p99_ttft_ms'] / 1e3:6.2f} "
               f"{s['median_tpot_ms']:7.0f} / {s['p99_tpot_ms']:6.0f} {100 * hit:8.0f}% "
-              f"{engine.scheduler.num_retractions:11d}", flush=True)
+              f"{engine.num_retractions:11d}", flush=True)
 
 
 if __name__ == "__main__":

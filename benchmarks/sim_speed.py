@@ -50,7 +50,7 @@ def main() -> None:
           f"{args.model}: simulated {sim:.0f}s in {wall:.1f}s wall = {sim / wall:.0f} simulated-s per "
           f"wall-s; {steps} iterations, {1e6 * wall / max(1, steps):.0f} us/iteration; "
           f"{s['completed']} requests, {s['total_token_throughput']:.0f} tok/s, "
-          f"{engine.scheduler.num_retractions} retractions")
+          f"{engine.num_retractions} retractions")
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

@@ -37,11 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hlserve.engine.engine import Engine
+from hlserve.engine.args import make_config
+from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.speculation import NgramSpeculator, Speculator, ngram_propose
 from hlserve.request import SamplingParams
-from hlserve.sim.acceptance_profile import AcceptanceProfile
-from hlserve.sim.build import SimOptions, build_sim_engine
+from hlserve.sim.build import device_info
+from hlserve.sim.hardware import get_hardware
+from hlserve.sim.sim_runner import SimRunner
 
 BUDGET_MS = 2.0
 ARMS = ("off", "ngram", "ngram-scan")
@@ -59,13 +62,14 @@ class ScanSpeculator(Speculator):
 def engine_for(arm: str, context: int, sessions: int) -> Engine:
     spec: dict[str, Any] = {} if arm == "off" else {
         "speculative_config": json.dumps(SPEC), "speculative_adaptive": False}
-    sim = SimOptions(acceptance=AcceptanceProfile((0.0,) * 3) if spec else None)
-    engine = build_sim_engine("Qwen2.5-32B", "H20", tp=8, sim=sim, mode="throughput",
-                              max_model_len=context + 4096, max_num_seqs=max(256, sessions),
-                              **spec)
-    if engine.spec is not None:  # the real proposers over the simulated tokens
-        engine.spec.speculator = (NgramSpeculator(2, 5) if arm == "ngram" else ScanSpeculator())
-    return engine
+    hw = get_hardware("H20")
+    config = make_config("Qwen2.5-32B", device_info=device_info(hw), mode="throughput",
+                         max_model_len=context + 4096, max_num_seqs=max(256, sessions), **spec)
+    # the real proposers over the simulated tokens
+    speculator = None if arm == "off" else (NgramSpeculator(2, 5) if arm == "ngram"
+                                            else ScanSpeculator())
+    return build_engine(config, SimRunner(config, hw, 8), clock=VirtualClock(),
+                        speculator=speculator)
 
 
 def run(arm: str, context: int, sessions: int, steps: int, seed: int) -> dict[str, Any]:

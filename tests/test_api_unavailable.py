@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from hlserve.errors import ServiceUnavailableError
-from hlserve.llm import build_engine
+from hlserve.llm import LLM
 from hlserve.server.app import create_app
 from hlserve.server.runtime.launch import free_port
 from hlserve.server.runtime.settings import ServerSettings
@@ -27,7 +27,7 @@ BODY = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": Tr
 
 @pytest.fixture(scope="module")
 def served(tiny_llama: Path):
-    engine = build_engine(str(tiny_llama), dtype="float32", max_model_len=64, num_pages=16)
+    engine = LLM(str(tiny_llama), dtype="float32", max_model_len=64, num_pages=16).engine
     app = create_app(engine, ServerSettings(served_model_names=("m",)))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

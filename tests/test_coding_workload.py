@@ -117,9 +117,9 @@ def test_sessions_share_prefixes_and_carry_the_reply(tok: Tokenizer) -> None:
 
 
 def test_the_real_model_edits_in_the_closed_loop(smol_dir: str) -> None:
-    from hlserve.llm import build_engine
+    from hlserve.llm import LLM
 
-    engine = build_engine(smol_dir, mode="throughput", num_pages=256)
+    engine = LLM(smol_dir, mode="throughput", num_pages=256).engine
     w = CodingWorkload(sessions=2, rounds=2, files=1, max_tokens=12)
     ss = w.sessions_list(engine.tokenizer)
     res = run_closed_loop(engine, ss.__getitem__, 2, Loop())

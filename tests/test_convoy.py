@@ -14,6 +14,7 @@ import threading
 
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine
+from hlserve.engine.factory import build_engine
 from hlserve.engine.policies.admission import Admit
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import SamplingParams
@@ -26,7 +27,7 @@ CONTEXT = PAGES * PAGE  # the context window is the whole pool, as on a small ma
 def throughput_engine(**knobs) -> Engine:
     opts = resolve_options({"mode": "throughput", **knobs}, DeviceInfo("cpu"))
     cfg = EngineConfig(model="-", max_model_len=CONTEXT, check_invariants=True, **opts)
-    return Engine(cfg, HistoryRunner(PAGES, PAGE, check=False))
+    return build_engine(cfg, HistoryRunner(PAGES, PAGE, check=False))
 
 
 def params(n: int) -> SamplingParams:

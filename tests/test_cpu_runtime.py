@@ -56,10 +56,15 @@ def test_user_settings_win() -> None:
 SPIN_PROBE = """
 import os, sys, threading, torch
 torch.set_num_threads(2)
-if sys.argv[1] == "engine":  # as a server builds it: hlserve.server.app
+if sys.argv[1] == "engine":  # as a server builds it: hlserve.server.app.serve
     from hlserve.config import EngineConfig
-    from hlserve.server.app import build_served_engine
-    build_served_engine(EngineConfig(model=sys.argv[2], dtype="float32", num_pages=64))
+    from hlserve.cpu_runtime import release_openmp_workers
+    from hlserve.engine.factory import build_engine
+    from hlserve.runner.torch_runner import TorchRunner
+    from hlserve.tokenizer import Tokenizer
+    build_engine(EngineConfig(model=sys.argv[2], dtype="float32", num_pages=64), TorchRunner,
+                 tokenizer=Tokenizer.from_dir)
+    release_openmp_workers()
 x = torch.randn(2_000_000)  # (one thread's fill: no parallel region)
 if sys.argv[1] != "engine":
     x + 1  # this thread's pool, as loading the weights makes one

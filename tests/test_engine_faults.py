@@ -7,6 +7,7 @@ import pytest
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, StepResult
 from hlserve.engine.engine import Engine
+from hlserve.engine.factory import build_engine
 from hlserve.errors import EngineDeadError
 from hlserve.request import SamplingParams
 from support import HistoryRunner
@@ -26,7 +27,7 @@ class FlakyRunner(HistoryRunner):
 
 
 def test_a_failed_forward_fails_its_batch_and_the_rest_is_served() -> None:
-    engine = Engine(EngineConfig(model="-", max_num_seqs=1, check_invariants=True),
+    engine = build_engine(EngineConfig(model="-", max_num_seqs=1, check_invariants=True),
                     FlakyRunner(64, 4))
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     good = engine.add_request([1, 2, 3], greedy)
@@ -47,7 +48,7 @@ def test_a_failed_forward_fails_its_batch_and_the_rest_is_served() -> None:
 def test_a_runner_that_keeps_failing_kills_the_engine() -> None:
     runner = FlakyRunner(64, 4)
     runner.always = True
-    engine = Engine(EngineConfig(model="-", max_num_seqs=1), runner)
+    engine = build_engine(EngineConfig(model="-", max_num_seqs=1), runner)
     for i in range(5):
         engine.add_request([1, i + 1], SamplingParams(max_tokens=2))
     with pytest.raises(EngineDeadError, match="3 forwards failed in a row"):
@@ -88,7 +89,7 @@ class PickyRunner(HistoryRunner):
 def test_a_forward_that_fails_for_one_request_fails_that_request_alone() -> None:
     """Requests batched with the poisoned one carry on: the batch is split until the
     failing sequence is found, and the runner is not counted as broken."""
-    engine = Engine(EngineConfig(model="-", check_invariants=True), PickyRunner(64, 4))
+    engine = build_engine(EngineConfig(model="-", check_invariants=True), PickyRunner(64, 4))
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     good = [engine.add_request([1, 2, i], greedy) for i in range(3)]
     bad = [engine.add_request([1, POISON, i], greedy) for i in range(3)]  # 3 in a row: no death
@@ -153,7 +154,7 @@ def test_a_step_that_raises_outside_the_runner_ends_what_it_touched(where, monke
             return orig_of(cls, req)
 
         monkeypatch.setattr(RequestOutput, "of", classmethod(of))
-    engine = Engine(EngineConfig(model="-", check_invariants=True), HistoryRunner(64, 4))
+    engine = build_engine(EngineConfig(model="-", check_invariants=True), HistoryRunner(64, 4))
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     early = [engine.add_request([3, 2, i], greedy) for i in range(2)]
     engine.step()

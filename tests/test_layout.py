@@ -4,7 +4,10 @@ folders and top-level modules, nor between files (imports inside functions count
 defer a heavy import, never close a loop), ``engine/``
 reaches no layer above it, ``runner/`` sees the engine only through its runner interface,
 only the CLI's own modules import ``hlserve.cli``, no function is longer than
-``MAX_FUNCTION_LINES``, and every module opens with a docstring."""
+``MAX_FUNCTION_LINES`` and no module longer than ``MAX_MODULE_LINES``, every module opens with
+a docstring, and the engine is one facade built in one place: nothing outside ``engine/``
+reads it through ``getattr`` / ``hasattr``, nothing but ``engine/factory.py`` constructs an
+``Engine``, and one function in the package is named ``build_engine``."""
 
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "hlserve"
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+# the one place an Engine is constructed, and the one function of that name
+ENGINE_FACTORY = "hlserve.engine.factory"
+ENGINE_MODULE = "hlserve.engine.engine"
 # engine/ is below everything that drives it and above what it drives only through
 # engine/batch.py's Runner interface, which runner/ and sim/ implement
 ENGINE_MAY_NOT_IMPORT = ("runner", "sim", "server", "study", "bench", "driver", "cli", "llm",
@@ -264,6 +271,109 @@ def test_no_function_is_longer_than_the_limit() -> None:
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(bad)
     stale = LONG_FUNCTION_EXCEPTIONS - set(found)
     assert not stale, f"exceptions no longer needed: {sorted(stale)}"
+
+
+def long_modules(limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """Modules of more than ``limit`` lines, with their length."""
+    lengths = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in MODULES.items()}
+    return {m: n for m, n in lengths.items() if n > limit}
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    bad = sorted(f"{m} ({n} lines)" for m, n in long_modules().items())
+    assert not bad, f"modules over {MAX_MODULE_LINES} lines (split them):\n" + "\n".join(bad)
+
+
+def dotted_names(node: ast.expr) -> list[str]:
+    """The names an expression reaches through: ``self.engine.runner`` -> self, engine,
+    runner; a call or subscript in the chain is looked through (``f(x).engine``)."""
+    names: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Name):
+            names.append(node.id)
+            return names[::-1]
+        else:
+            return names[::-1]
+
+
+def is_engine_name(name: str) -> bool:
+    return name.lower().endswith("engine")
+
+
+def getattr_on_engine(tree: ast.Module) -> Iterator[int]:
+    """Lines of ``getattr`` / ``hasattr`` whose object is, or is reached through, something
+    named ``engine`` (or ending in it: ``sim_engine``, ``self.engine.runner``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr") and node.args \
+                and any(is_engine_name(n) for n in dotted_names(node.args[0])):
+            yield node.lineno
+
+
+def test_no_getattr_around_the_engine_outside_it() -> None:
+    """The Engine offers what its callers read (stats, model_config, caps_report, ...):
+    outside ``engine/`` nothing probes it or its parts by name."""
+    bad = sorted(f"{mod}:{line}" for mod in MODULES if unit(mod) != "hlserve.engine"
+                 for line in getattr_on_engine(TREES[mod]))
+    assert not bad, "getattr/hasattr on the engine outside engine/:\n" + "\n".join(bad)
+
+
+def engine_class_names(mod: str) -> tuple[set[str], set[str]]:
+    """(names bound to the Engine class, names bound to its module) in ``mod``, however
+    imported (``from ... import Engine as E``, ``import hlserve.engine.engine as ee``)."""
+    classes, modules = set(), set()
+    if mod == ENGINE_MODULE:
+        classes.add("Engine")
+    for node in ast.walk(TREES[mod]):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}" if node.module else alias.name
+                if node.module == ENGINE_MODULE and alias.name == "Engine":
+                    classes.add(alias.asname or alias.name)
+                elif target == ENGINE_MODULE:
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == ENGINE_MODULE:
+                    modules.add(alias.asname or alias.name)
+    return classes, modules
+
+
+def engine_constructions(mod: str) -> Iterator[int]:
+    """Lines of calls that construct the Engine class in ``mod``."""
+    classes, modules = engine_class_names(mod)
+    for node in ast.walk(TREES[mod]):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if (isinstance(f, ast.Name) and f.id in classes) or (
+                isinstance(f, ast.Attribute) and f.attr == "Engine"
+                and ".".join(dotted_names(f.value)) in modules | {ENGINE_MODULE}):
+            yield node.lineno
+
+
+def test_only_the_factory_constructs_an_engine() -> None:
+    bad = sorted(f"{mod}:{line}" for mod in MODULES if mod != ENGINE_FACTORY
+                 for line in engine_constructions(mod))
+    assert not bad, (f"Engine( outside {ENGINE_FACTORY} (build it with "
+                     "build_engine(config, runner=...)):\n" + "\n".join(bad))
+    assert list(engine_constructions(ENGINE_FACTORY)), "the factory constructs no Engine?"
+
+
+def test_one_function_is_named_build_engine() -> None:
+    found = sorted(f"{mod}:{node.lineno}" for mod, tree in TREES.items()
+                   for node in ast.walk(tree)
+                   if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                   and node.name == "build_engine")
+    assert len(found) == 1 and found[0].startswith(f"{ENGINE_FACTORY}:"), (
+        "build_engine must be one function, engine/factory.py's:\n" + "\n".join(found))
 
 
 @pytest.mark.parametrize("mod", sorted(MODULES))

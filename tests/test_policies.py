@@ -16,6 +16,7 @@ import pytest
 from hlserve import LLM
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.policies.budget import EMABudget, RatchetBudget, StepTimeCap
 from hlserve.engine.policies.lpm import LongestPrefixMatch
@@ -35,7 +36,7 @@ def engine_for(num_pages: int = 1024, page_size: int = 16, overhead: float = 2e-
     opts = resolve_options(options, CPU)
     cfg = EngineConfig(model="-", check_invariants=True, **opts)
     runner = HistoryRunner(num_pages, page_size, overhead, per_token, check=False)
-    return Engine(cfg, runner, clock=VirtualClock())
+    return build_engine(cfg, runner, clock=VirtualClock())
 
 
 def params(n: int) -> SamplingParams:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import random
 
-from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.engine import VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.policies.caps import INTERACTIVE_DECODING, INTERACTIVE_WAITING, NO_INTERACTIVE
 from hlserve.integrations.plugin_policy import (
     PluginPolicy,
@@ -60,7 +61,7 @@ def _run_both(seed: int) -> dict[str, int]:
     clock = VirtualClock()
     runner = HistoryRunner(CAPS.num_blocks, CAPS.block_size, overhead=1e-3, per_token=5e-5)
     config = plugin_config(policy_opts, CAPS)
-    engine = Engine(config.replace(check_invariants=True), runner, clock=clock)
+    engine = build_engine(config.replace(check_invariants=True), runner, clock=clock)
     sched, kv = engine.scheduler, engine.kv
     plugin = PluginPolicy(policy_opts, CAPS, TreePrefixCache(kv, config.lpm_aging))
     rng = random.Random(seed + 1)

@@ -12,9 +12,11 @@ from hlserve import LLM
 from hlserve.config import EngineConfig
 from hlserve.engine.args import parse_engine_args
 from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
-from hlserve.engine.policies.lpm import LongestPrefixMatch, make_order
+from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.policies.order import ProgramOrder
+from hlserve.engine.scheduler import Scheduler
 from hlserve.request import Request, SamplingParams
 from support import HistoryRunner
 
@@ -123,7 +125,7 @@ def test_order_program_is_a_flag_and_builds_program_order_over_lpm() -> None:
     opts = parse_engine_args(["--order", "program", "--program-aging-steps", "8"])
     assert opts == {"order": "program", "program_aging_steps": 8}
     cfg = EngineConfig(model="-", **opts)
-    order = make_order(cfg, KVCacheManager(16, PS))
+    order = Scheduler(cfg, KVCacheManager(16, PS)).order  # order.make_order, the tree's LPM
     assert isinstance(order, ProgramOrder) and order.aging_steps == 8
     assert isinstance(order.inner, LongestPrefixMatch)
     with pytest.raises(ValueError, match="program_aging_steps"):
@@ -185,7 +187,7 @@ def test_engine_aging_limit_admits_a_new_session_under_a_stream_of_next_rounds()
     def wait_of_new(limit: int, horizon: int = 120, lpm_aging: float = 1.0) -> int | None:
         cfg = EngineConfig(model="-", check_invariants=True, page_size=PS, order="program",
                            max_num_seqs=1, program_aging_steps=limit, lpm_aging=lpm_aging)
-        engine = Engine(cfg, HistoryRunner(256, PS, 2e-3, 1e-4, check=False), clock=VirtualClock())
+        engine = build_engine(cfg, HistoryRunner(256, PS, 2e-3, 1e-4, check=False), clock=VirtualClock())
         engine.add_request([1, 2, 3, 4, 5], params(1), session_id="s")
         _drain(engine)
         new = engine.add_request([6, 7, 1, 2], params(1), session_id="new")

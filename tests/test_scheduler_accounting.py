@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlserve.config import EngineConfig
-from hlserve.engine.engine import Engine
+from hlserve.engine.factory import build_engine
 from hlserve.errors import InvalidRequestError
 from hlserve.request import FinishReason, SamplingParams
 from support import VOCAB, HistoryRunner
@@ -56,7 +56,7 @@ def test_random_workloads_balance_and_end_once(
         enable_prefix_caching=caching, max_num_seqs=max_num_seqs, check_invariants=True,
     )
     runner = HistoryRunner(num_pages, page_size)
-    engine = Engine(cfg, runner)
+    engine = build_engine(cfg, runner)
     ended: dict[str, int] = {}
     finals = {}
     expected = {}
@@ -161,7 +161,7 @@ def test_every_knob_with_faults_balances_and_ends_once(
         two_stage_high=0.6, two_stage_low=0.3, check_invariants=True,
     )
     runner = FaultyRunner(num_pages, page_size)
-    engine = Engine(cfg, runner)
+    engine = build_engine(cfg, runner)
     ended: dict[str, int] = {}
     finals = {}
     expected = {}

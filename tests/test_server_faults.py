@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from hlserve.llm import build_engine
+from hlserve.llm import LLM
 from hlserve.server.app import create_app
 from hlserve.server.runtime.settings import ServerSettings
 
@@ -20,8 +20,8 @@ POISON = 13  # a request with this max_tokens makes the runner raise
 
 @pytest.fixture
 def faulty(tiny_llama: Path):
-    engine = build_engine(str(tiny_llama), dtype="float32", max_model_len=128, num_pages=32,
-                          check_invariants=True)
+    engine = LLM(str(tiny_llama), dtype="float32", max_model_len=128, num_pages=32,
+                 check_invariants=True).engine
     execute = engine.runner.execute
     state = {"always": False}
 

@@ -13,6 +13,7 @@ import pytest
 from hlserve.config import EngineConfig
 from hlserve.engine.args import parse_engine_args
 from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.sessions import Sessions, session_key
 from hlserve.request import SamplingParams
@@ -27,7 +28,7 @@ def engine_for(num_pages: int = 64, **options) -> Engine:
     runner = HistoryRunner(num_pages, PS, 2e-3, 1e-4, check=False)
     # prompts spell distinct pages with ids past the runner's tiny output vocabulary
     runner.model_config = dataclasses.replace(runner.model_config, vocab_size=5000)
-    return Engine(cfg, runner, clock=VirtualClock())
+    return build_engine(cfg, runner, clock=VirtualClock())
 
 
 def run(engine: Engine, limit: int = 10_000) -> None:
@@ -235,12 +236,12 @@ def test_metrics_publish_the_session_counters() -> None:
     eng.add_request(list(range(100, 140)), greedy(2), prompt_cache_key="s")
     run(eng)
     m = ServerMetrics("m")
-    m.publish_sessions(eng)
+    m.publish_sessions(eng.stats)
     text = m.exposition().decode()
     assert 'session_retained_pages{model_name="m"} 10.0' in text
     eng.clock.advance(2.0)
     eng.step()
-    m.publish_sessions(eng)
+    m.publish_sessions(eng.stats)
     text = m.exposition().decode()
     assert 'session_ttl_expiries{model_name="m"} 10.0' in text
 

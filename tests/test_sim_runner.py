@@ -7,7 +7,8 @@ import pytest
 from hlserve.config import EngineConfig
 from hlserve.driver.closed_loop import run_agent_sessions
 from hlserve.driver.workloads import AgentWorkload
-from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.engine import VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.scheduler import Scheduler
 from hlserve.request import SamplingParams
@@ -129,7 +130,7 @@ def test_window_counts_computed_tokens_apart_from_cached_ones() -> None:
 def test_engine_built_by_hand() -> None:
     """SimRunner is a plain Runner: any Engine takes it."""
     cfg = EngineConfig(model="Llama-3.1-8B", chunk_size=256, token_budget=512)
-    engine = Engine(cfg, SimRunner(cfg, "A100", 1), clock=VirtualClock())
+    engine = build_engine(cfg, SimRunner(cfg, "A100", 1), clock=VirtualClock())
     req = engine.add_request(list(range(3, 1003)), SamplingParams(max_tokens=4, temperature=0))
     steps = 0
     while engine.has_unfinished():

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from hlserve.config import SpeculativeConfig
 from hlserve.engine.speculation import (
     ContextView,
     CountTrie,
     NgramIndex,
     NgramSpeculator,
-    SpeculativeConfig,
     SuffixSpeculator,
     _Node,
     make_speculator,

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hlserve import LLM, SamplingParams
+from hlserve.config import SpeculativeConfig
 from hlserve.engine.args import make_config, parse_engine_args
 from hlserve.server.runtime.launch import ExternalServer, free_port
 from servers import BASE_ARGS, metric
@@ -147,8 +148,12 @@ def test_requests_that_cannot_speculate_do_not(case) -> None:
 def test_the_flag_is_vllms_and_bad_configs_fail_at_start(tiny_llama: Path) -> None:
     text = json.dumps(SPEC["ngram"])
     opts = parse_engine_args(["--speculative-config", text])
-    assert json.loads(opts["speculative_config"])["prompt_lookup_max"] == 4
-    assert make_config(str(tiny_llama), **opts).speculative_config == opts["speculative_config"]
+    # parsed once, where the flag is read: the config holds the typed value itself
+    assert opts["speculative_config"] == SpeculativeConfig.parse(text)
+    assert opts["speculative_config"].prompt_lookup_max == 4
+    assert make_config(str(tiny_llama), **opts).speculative_config is opts["speculative_config"]
+    assert make_config(str(tiny_llama), speculative_config=text).speculative_config == \
+        opts["speculative_config"]
     for bad, says in (("{not json", "not valid JSON"), ('{"method": "eagle", '
                       '"num_speculative_tokens": 2}', "not supported"),
                       ('{"method": "ngram"}', "num_speculative_tokens")):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hlserve.config import EngineConfig
 from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
 from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.presets import DeviceInfo, resolve_options
@@ -57,7 +58,7 @@ def test_lpm_ranks_by_the_requests_own_namespace() -> None:
 def _engine(**options) -> Engine:
     opts = resolve_options(options, DeviceInfo("cpu"))
     cfg = EngineConfig(model="-", check_invariants=True, **opts)
-    return Engine(cfg, HistoryRunner(256, PS, 1e-3, 1e-4, check=False), clock=VirtualClock())
+    return build_engine(cfg, HistoryRunner(256, PS, 1e-3, 1e-4, check=False), clock=VirtualClock())
 
 
 def _finish(engine: Engine) -> dict[str, int]:

@@ -18,7 +18,7 @@ from hlserve.driver.coding_workload import CodingWorkload
 from hlserve.driver.records import RequestRecord, headline, summarize
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
-from hlserve.llm import build_engine
+from hlserve.llm import LLM
 from hlserve.sim.build import build_sim_engine
 
 SMALL = AgentWorkload(sessions=5, rounds=3, system_prompt_len=2048, task_len=128,
@@ -155,7 +155,7 @@ def test_session_completion_percentiles_on_a_known_set() -> None:
 
 
 def test_real_engine_waits_out_fixed_tool_time(tiny_llama: Path) -> None:
-    engine = build_engine(str(tiny_llama), dtype="float32", max_model_len=512, num_pages=128)
+    engine = LLM(str(tiny_llama), dtype="float32", max_model_len=512, num_pages=128).engine
     w = AgentWorkload(sessions=2, rounds=3, system_prompt_len=32, task_len=8,
                       tool_output_len=(8, 16), output_len=(2, 4), seed=1,
                       tool_time=parse_tool_time("fixed:0.2"))

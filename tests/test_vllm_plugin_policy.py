@@ -13,7 +13,10 @@ from hlserve.engine.policies.caps import (
     StepCaps,
     step_caps,
 )
+from hlserve.engine.policies.names import policy_names
+from hlserve.engine.policies.order import FCFS
 from hlserve.integrations.plugin_policy import (
+    SUPPORTED,
     PluginOptions,
     PluginPolicy,
     UnsupportedVLLMError,
@@ -38,6 +41,17 @@ def test_defaults_are_throughput_modes() -> None:
     assert (c.two_stage_high, c.two_stage_low, c.lpm_aging, c.budget_min) == (0.9, 0.7, 4.0, 256)
     assert (c.interactive_chunk_size, c.interactive_token_budget) == (512, 2048)
     assert c.chunk_size is None and c.token_budget is None
+
+
+def test_the_plugin_runs_names_of_the_policy_registries() -> None:
+    """What the plugin runs is a subset of each knob's registry (the names hlserve's command
+    line lists and its configs are checked against), built by the registry's constructors."""
+    for knob, names in SUPPORTED.items():
+        assert set(names) <= set(policy_names(knob)), knob
+    prefix = NoPrefixCache()
+    assert PluginPolicy(PluginOptions(), CAPS, prefix).order is prefix  # lpm: the host's
+    fcfs = PluginPolicy(parse_options({"hlserve": {"order": "fcfs"}}, {}), CAPS, prefix)
+    assert isinstance(fcfs.order, FCFS)
 
 
 def test_the_config_takes_vllms_own_settings() -> None:

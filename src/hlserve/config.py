@@ -1,19 +1,26 @@
 """Engine configuration: one frozen dataclass (the knobs named as vLLM and SGLang name them,
-where they have them), and :func:`parse_cap`, the one reader of a cap's value from outside."""
+where they have them), its typed speculative-decoding field (:class:`SpeculativeConfig`,
+vLLM's ``--speculative-config``), and :func:`parse_cap`, the one reader of a cap's value from
+outside.
+
+The policy knobs' names (``order``, ``mixing``, ...) are not listed here: each policy module
+owns the registry of its names (``hlserve.engine.policies``), and this module sits below
+``engine/``, so it cannot read them. A config's policy names are checked against those
+registries by ``engine/policies/names.py:check_policy_names`` wherever a config is made or
+built into an engine (``engine/args.py:make_config``, ``engine/factory.py:build_engine``, the
+vLLM plugin's options)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hlserve.errors import InvalidRequestError
 from hlserve.request import REQUEST_CLASSES
 
-MIXING = ("always", "prefill_first", "two_stage")
-ORDERS = ("fcfs", "lpm", "priority", "program")
-RETRACTIONS = ("fewest_generated", "lifo", "priority")
-ADMISSIONS = ("chunk", "reserve", "abort_guard", "backpressure")
-BUDGET_CONTROLLERS = ("fixed", "ratchet", "ema")
 # the size knobs whose None means "no cap" (the other optional ints mean "derive it": num_pages
 # from kv_cache_gb, max_model_len from the model, budget_max from the KV pool)
 CAP_KNOBS = ("chunk_size", "token_budget", "prefill_delay", "max_prefill_tokens",
@@ -39,6 +46,66 @@ def parse_cap(value: str | int | None) -> int | None:
         raise ValueError(f"expected a positive integer or one of {', '.join(NO_CAP_WORDS)}, "
                          f"got {value!r}")
     return n
+
+
+SPECULATIVE_METHODS = ("ngram", "suffix")
+_SPECULATIVE_FIELDS = {
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative-config fields that hlserve takes (the ngram and suffix methods;
+    engine/speculation.py has their speculators)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                f"speculative method {self.method!r} is not supported: hlserve has "
+                f"{SPECULATIVE_METHODS} (no draft model)")
+        if self.num_speculative_tokens < 1:
+            raise InvalidRequestError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_spec_factor <= 0:
+            raise InvalidRequestError("suffix_decoding_max_tree_depth and _max_spec_factor "
+                                      "must be positive")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
+
+    @classmethod
+    def parse(cls, spec: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """From the flag's JSON text or ``LLM(speculative_config=dict)``; unknown fields refused."""
+        data = json.loads(spec) if isinstance(spec, str) else dict(spec)
+        if not isinstance(data, dict):
+            raise InvalidRequestError("speculative config must be a JSON object")
+        unknown = sorted(set(data) - _SPECULATIVE_FIELDS)
+        if unknown:
+            raise InvalidRequestError(f"speculative config fields not supported: {unknown}")
+        if "method" not in data or "num_speculative_tokens" not in data:
+            raise InvalidRequestError("speculative config needs method and num_speculative_tokens")
+        if data["method"] == "ngram" and "prompt_lookup_min" in data \
+                and "prompt_lookup_max" not in data:
+            # vLLM: one bound given sets the other to it.
+            data["prompt_lookup_max"] = data["prompt_lookup_min"]
+        if data["method"] == "ngram" and "prompt_lookup_max" in data \
+                and "prompt_lookup_min" not in data:
+            data["prompt_lookup_min"] = data["prompt_lookup_max"]
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -101,10 +168,9 @@ class EngineConfig:
     # session) while other requests run: Continuum's pinning; off: retention yields to any
     # admission (engine/sessions.py)
     session_hold: bool = False
-    # speculative decoding (engine/spec_decode.py): vLLM's --speculative-config as canonical
-    # JSON text (a string keeps the config hashable and this layer free of the engine's
-    # types); parsed and checked by engine/args.py:make_config. None: off
-    speculative_config: str | None = None
+    # speculative decoding (engine/spec_decode.py): vLLM's --speculative-config, parsed once
+    # where it comes in (the flag, engine/args.py:make_config for JSON text or a dict). None: off
+    speculative_config: SpeculativeConfig | None = None
     # k chosen per step from measured acceptance and step cost (engine/spec_adaptive.py);
     # False: num_speculative_tokens every step. Throughput mode's preset turns it on
     speculative_adaptive: bool = False
@@ -122,13 +188,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")
-        for name, allowed in (
-            ("mixing", MIXING), ("order", ORDERS), ("retraction", RETRACTIONS),
-            ("admission", ADMISSIONS), ("budget_controller", BUDGET_CONTROLLERS),
-            ("default_request_class", REQUEST_CLASSES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        # the policy knobs' names: engine/policies/names.py (see the module's docstring)
+        if self.default_request_class not in REQUEST_CLASSES:
+            raise ValueError(f"default_request_class must be one of {REQUEST_CLASSES}, got "
+                             f"{self.default_request_class!r}")
+        if self.speculative_config is not None \
+                and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise TypeError("speculative_config must be a SpeculativeConfig (engine/args.py:"
+                            f"make_config parses JSON text or a dict), got "
+                            f"{type(self.speculative_config).__name__}")
         if not 0 < self.two_stage_low < self.two_stage_high <= 1:
             raise ValueError("need 0 < two_stage_low < two_stage_high <= 1")
         if not 0 < self.ema_alpha <= 1:

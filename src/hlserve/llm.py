@@ -1,58 +1,37 @@
-"""The offline API: ``LLM(model_dir, **engine_options).generate(prompts, sampling_params)``,
-and the real runner's engine config and engine for the command lines."""
+"""The offline API: ``LLM(model, **engine_options).generate(prompts, sampling_params)``, an
+engine on the real runner built by the one factory (``engine/factory.py:build_engine``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from hlserve.config import EngineConfig
-from hlserve.engine import factory
 from hlserve.engine.args import make_config
-from hlserve.engine.engine import Engine
+from hlserve.engine.factory import build_engine
 from hlserve.errors import EngineDeadError, InvalidRequestError
 from hlserve.models.resolve import is_instruct, resolve_model
 from hlserve.request import Request, RequestOutput, SamplingParams, merge_choices
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer
 
-__all__ = ["LLM", "build_engine", "engine_config", "engine_on"]
+__all__ = ["LLM"]
 
 Prompt = str | Sequence[int]
 MAX_IDLE_PASSES = 1000
 
 
-def engine_config(model: str, **engine_options: Any) -> EngineConfig:
-    """The config of an engine on the real runner: ``model`` (a directory, a .gguf file or a
-    named real model, models/resolve.py) resolved to a directory, the options as
-    :func:`make_config` takes them: a keyword passed is explicit, None included, so
-    ``preset="vllm", chunk_size=None`` is vLLM's knobs without chunking."""
-    return make_config(resolve_model(model), **engine_options)
-
-
-def engine_on(config: EngineConfig, runner: Callable[[EngineConfig], Any] = TorchRunner,
-              clock: Callable[[], float] | None = None) -> Engine:
-    """An Engine on the real runner for ``config`` as built (``runner`` wraps it for a caller
-    that records steps), with the model's tokenizer when it has one: what :class:`LLM` and :func:`build_engine`
-    run (``hlserve serve`` calls the factory the same way itself, one hand-off fewer)."""
-    return factory.build_engine(config, runner, tokenizer=Tokenizer.from_dir, clock=clock)
-
-
-def build_engine(model: str, *, runner: Callable[[EngineConfig], Any] = TorchRunner,
-                 clock: Callable[[], float] | None = None, **engine_options: Any) -> Engine:
-    """:func:`engine_on` the config :func:`engine_config` builds from ``engine_options``."""
-    return engine_on(engine_config(model, **engine_options), runner, clock)
-
-
 class LLM:
-    """``LLM(model, **engine_options)``: engine options as :func:`engine_config` takes them
-    (``LLM(model, preset="vllm", chunk_size=None)``: the preset without chunking); or
-    :meth:`from_config` on a config already built."""
+    """``LLM(model, **engine_options)``: ``model`` a directory, a .gguf file or a named real
+    model (models/resolve.py); the options as ``engine/args.py:make_config`` takes them, a
+    keyword passed explicit, None included (``LLM(model, preset="vllm", chunk_size=None)``:
+    the preset without chunking); or :meth:`from_config` on a config already made. The
+    engine it runs is :attr:`engine`."""
 
     def __init__(self, model: str, **engine_options: Any) -> None:
-        self._start(engine_config(model, **engine_options), is_instruct(model))
+        self._start(make_config(resolve_model(model), **engine_options), is_instruct(model))
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, instruct: bool = False) -> LLM:
@@ -63,7 +42,8 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig, instruct: bool) -> None:
-        self.engine = engine_on(config)
+        # the model's tokenizer when it has one, loaded after the weights
+        self.engine = build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
         self.tokenizer = self.engine.tokenizer
         # an instruct checkpoint (GGUF or a named model): ``hlserve generate`` chats with it
         self.instruct = instruct
@@ -112,14 +92,14 @@ class LLM:
         idle = 0  # passes in a row that neither ran a step nor ended a request
         with bar:
             while self.engine.has_unfinished():
-                steps = self.engine.stats.steps
+                steps = self.engine.num_steps
                 outs = self.engine.step()
                 for out in outs:
                     if out.finished and out.request_id in order:
                         i, j = order[out.request_id]
                         seqs[i][j] = out
                         bar.update(1)
-                idle = 0 if outs or self.engine.stats.steps > steps else idle + 1
+                idle = 0 if outs or self.engine.num_steps > steps else idle + 1
                 if idle >= MAX_IDLE_PASSES:  # a scheduler bug must not hang the caller
                     raise EngineDeadError(
                         f"the engine made no progress in {idle} passes with "

@@ -42,9 +42,9 @@ def _real_run(spec: DemoSpec, common: dict[str, Any], options: dict[str, Any],
               seed: int) -> dict[str, Any]:
     from hlserve.driver.closed_loop import run_agent_sessions
     from hlserve.driver.workloads import AgentWorkload
-    from hlserve.llm import build_engine
+    from hlserve.llm import LLM
 
-    engine = build_engine(spec.model, **{**common, **options})
+    engine = LLM(spec.model, **{**common, **options}).engine
     workload = AgentWorkload(sessions=spec.sessions, rounds=spec.rounds,
                              system_prompt_len=spec.system_prompt_len, seed=seed)
     summary = run_agent_sessions(engine, workload, progress=False).summary()

@@ -5,8 +5,8 @@ The SLO knobs are the prefill chunk size C (TTFT) and the per-iteration token bu
 workload, on a fresh engine or server (nothing cached, nothing queued, from one point to the
 next). Three ways to run a point:
 
-- **in-process hlserve, real runner** (default): ``build_engine(model, **base, chunk_size=C,
-  token_budget=B)``, driven directly (no HTTP), timed on the wall clock;
+- **in-process hlserve, real runner** (default): the engine of ``LLM(model, **base,
+  chunk_size=C, token_budget=B)``, driven directly (no HTTP), timed on the wall clock;
 - **in-process hlserve, simulated runner** (``--sim HARDWARE``): the same scheduler on the
   cost model of a GPU (``hlserve.sim.sim_runner``), timed on the virtual clock;
 - **an external server per point** (``--server-cmd TEMPLATE``): the template is formatted
@@ -42,6 +42,7 @@ from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.records import headline, summarize
 from hlserve.engine.args import parse_engine_args
+from hlserve.engine.engine import Engine
 from hlserve.server.runtime.launch import ExternalServer, free_port
 
 # ---- points -------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def session_rounds(s: Any) -> int:
     return len(s.rounds_spec) if hasattr(s, "rounds_spec") else s.workload.rounds
 
 
-def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[str, Any]:
+def run_engine_agent(engine: Engine, sessions: list[Any], spec: BenchSpec) -> dict[str, Any]:
     """The agent closed loop (:mod:`hlserve.driver.closed_loop`) on an in-process engine,
     every session run to its end. Times on the engine's clock (wall or virtual, named in the
     result's ``clock``), from when the engine took a request to when it finished it; one
@@ -123,7 +124,7 @@ def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[
                               Loop(token_times=True), on_record=rec.add)
     finally:
         rec.close()
-    virtual = hasattr(engine.clock, "advance")
+    virtual = engine.virtual_time
     return summarize(res.records, res.duration, spec.slo, res.session_times,
                      res.sessions_failed,
                      {"backend": "in-process", "label": spec.label, "workload": spec.workload,
@@ -131,7 +132,7 @@ def run_engine_agent(engine: Any, sessions: list[Any], spec: BenchSpec) -> dict[
                       "request_file": rec.path, "clock": "virtual" if virtual else "wall"})
 
 
-def _warm_up(engine: Any) -> None:
+def _warm_up(engine: Engine) -> None:
     engine.add_request([5, 6, 7, 8] * 8, greedy(4))
     while engine.has_unfinished():
         engine.step()
@@ -145,9 +146,9 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: SweepPoint, spe
 
         engine = build_sim_engine(model, sim, tp=tp, **opts)
     else:
-        from hlserve.llm import build_engine
+        from hlserve.llm import LLM
 
-        engine = build_engine(model, **opts)
+        engine = LLM(model, **opts).engine
         _warm_up(engine)
     try:
         info = ServerInfo(model=model, max_model_len=engine.max_model_len)
@@ -156,7 +157,7 @@ def run_inprocess_point(model: str, base: dict[str, Any], point: SweepPoint, spe
         res.update(extra)
         res["engine_options"] = opts  # as asked (no cap as null)
         res["engine_config"] = dataclasses.asdict(engine.config)  # as resolved (presets)
-        res["engine_caps"] = getattr(engine, "caps_report", None)
+        res["engine_caps"] = engine.caps_report
         res["retractions"] = engine.num_retractions
         return res
     finally:

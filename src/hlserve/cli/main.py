@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hlserve.engine.args import add_engine_args, engine_options
+from hlserve.engine.args import add_engine_args, engine_options, make_config
 from hlserve.errors import run_command
 from hlserve.models.default_model import default_model
 
@@ -28,11 +28,11 @@ def cmd_tiny_model(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from hlserve.llm import LLM, engine_config
-    from hlserve.models.resolve import is_instruct
+    from hlserve.llm import LLM
+    from hlserve.models.resolve import is_instruct, resolve_model
     from hlserve.request import SamplingParams
 
-    llm = LLM.from_config(engine_config(args.model, **engine_options(args)),
+    llm = LLM.from_config(make_config(resolve_model(args.model), **engine_options(args)),
                           instruct=is_instruct(args.model))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
@@ -80,14 +80,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from hlserve.cpu_runtime import arrange
 
     arrange(getattr(args, "device", "auto"))  # may re-execute this command once, first
-    from hlserve.llm import engine_config
+    from hlserve.models.resolve import resolve_model
     from hlserve.server.app import serve
     from hlserve.server.runtime.settings import DEFAULT_MAX_STEP_SECONDS, server_settings
 
-    # the one EngineConfig: the flags given over the preset's knobs, for this machine; a
-    # server keeps the step-time safety cap unless told otherwise (no request holds it)
+    # the one EngineConfig: the flags given (typed by argparse) over the preset's knobs, for
+    # this machine; a server keeps the step-time safety cap unless told otherwise (no request
+    # holds it). serve() hands it to the one engine factory, which hands it to the scheduler.
     options = {"max_step_seconds": DEFAULT_MAX_STEP_SECONDS, **engine_options(args)}
-    serve(engine_config(args.model, **options), server_settings(args, args.model))
+    serve(make_config(resolve_model(args.model), **options), server_settings(args, args.model))
 
 
 def build_parser() -> argparse.ArgumentParser:

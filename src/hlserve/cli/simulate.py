@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from hlserve.engine.args import cap
+from hlserve.engine.args import cap_flag
 
 # ---- hlserve cost --------------------------------------------------------------------------------
 
@@ -23,7 +23,7 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prefill", type=int, metavar="N", help="a whole prefill of N tokens")
     what.add_argument("--decode-batch", type=int, metavar="B", help="one decode iteration of B sequences")
-    p.add_argument("--chunk-size", type=cap, default=None,
+    p.add_argument("--chunk-size", type=cap_flag, default=None,
                    help="prefill in chunks of C tokens ('none': in one pass, the default)")
     p.add_argument("--context", type=int, default=0,
                    help="decode: tokens per sequence; prefill: tokens already cached before it")

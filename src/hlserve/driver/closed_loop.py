@@ -41,7 +41,7 @@ def fewer_gc_passes(driver: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(driver)
     def run(engine: Engine, *args: Any, **kwargs: Any) -> R:
-        if getattr(engine.clock, "advance", None) is None:
+        if not engine.virtual_time:
             return driver(engine, *args, **kwargs)
         old = gc.get_threshold()
         gc.set_threshold(100_000, 50, 100)
@@ -58,9 +58,8 @@ def wait_until(engine: Engine, t: float) -> None:
     now = engine.clock()
     if t <= now:
         return
-    advance = getattr(engine.clock, "advance", None)
-    if advance is not None:
-        advance(t - now)
+    if engine.virtual_time:
+        engine.skip_time(t - now)
     else:
         time.sleep(t - now)
 
@@ -306,9 +305,9 @@ def run_closed_loop(engine: Engine, new_session: Callable[[int], Any], sessions:
         if loop.wall_limit is not None and time.perf_counter() - wall0 > loop.wall_limit:
             cut = True
             break
-        steps = engine.stats.steps
+        steps = engine.num_steps
         touched = engine.step_requests()  # only finished requests are read
-        if not touched and engine.stats.steps == steps:
+        if not touched and engine.num_steps == steps:
             # nothing ran and nothing ended: in a closed loop no outside event can change
             # that (a budget controller ratcheted to zero, say)
             run.res.stalled, run.res.stalled_at = True, engine.clock()
@@ -329,7 +328,7 @@ def _result(run: _Run, cut: bool) -> LoopResult:
         return res
     run.count_unfinished()
     if res.stalled:
-        if getattr(engine.clock, "advance", None) is not None:
+        if engine.virtual_time:
             wait_until(engine, run.t0 + run.w1)  # the window runs out with nothing done
         else:
             cut = True  # on the wall clock, do not sit out the window

@@ -8,9 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from hlserve.driver.closed_loop import greedy
+from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine
-from hlserve.llm import engine_config, engine_on
+from hlserve.engine.factory import build_engine
+from hlserve.models.resolve import resolve_model
 from hlserve.runner.torch_runner import TorchRunner
+from hlserve.tokenizer import Tokenizer
 
 
 class OneModel:
@@ -18,14 +21,15 @@ class OneModel:
 
     def __init__(self, model: str, base: dict[str, Any]) -> None:
         self.model = model
+        self.model_dir = resolve_model(model)  # a named model or .gguf file: its directory
         self.base = base
-        self.runner = TorchRunner(engine_config(model, **base))
+        self.runner = TorchRunner(make_config(self.model_dir, **base))
 
     def engine(self, arm: dict[str, Any]) -> Engine:
         """A fresh engine with ``arm``'s options, warmed outside any measurement by one short
         request of no session whose prompt has no repeats (nothing to draft)."""
-        config = engine_config(self.model, **{**self.base, **arm})
-        engine = engine_on(config, runner=lambda _cfg: self.runner)
+        config = make_config(self.model_dir, **{**self.base, **arm})
+        engine = build_engine(config, self.runner, tokenizer=Tokenizer.from_dir)
         engine.add_request(list(range(1000, 1040)), greedy(4))
         while engine.has_unfinished():
             engine.step()

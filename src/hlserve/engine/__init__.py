@@ -1,2 +1,3 @@
 """The core: the scheduler, its policies and presets, the KV cache manager, the engine loop,
-and the runner interface (`engine/batch.py`) that the real and simulated runners implement."""
+the one engine factory (`engine/factory.py:build_engine`), and the runner interface
+(`engine/batch.py`) that the real and simulated runners implement."""

@@ -1,10 +1,14 @@
 """Engine flags, their defaults and their parsing, below every command line: the one place
 that turns ``--preset vllm --chunk-size none ...`` or ``LLM(..., preset="vllm")`` options into
-an :class:`EngineConfig` (presets expanded for a device, explicit knobs winning).
+an :class:`EngineConfig` (:func:`make_config`: presets expanded for a device, explicit knobs
+winning).
 
-An option is explicit when its key is present, whatever its value: a flag not given is absent
-from the namespace (``argparse.SUPPRESS``), a flag given ``none`` is None, and None laid over
-a preset's cap removes it. In Python the same holds for a keyword passed, None included."""
+A flag's text becomes its typed value once, where argparse reads it (:func:`cap_flag` for a
+cap, :func:`parse_speculative_config` for ``--speculative-config``); from there the value
+travels unchanged into the config. An option is explicit when its key is present, whatever
+its value: a flag not given is absent from the namespace (``argparse.SUPPRESS``), a flag given
+``none`` is None, and None laid over a preset's cap removes it. In Python the same holds for a
+keyword passed, None included."""
 
 from __future__ import annotations
 
@@ -17,19 +21,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from hlserve.config import (
-    ADMISSIONS,
-    BUDGET_CONTROLLERS,
     CAP_KNOBS,
-    MIXING,
     NO_CAP_WORDS,
-    ORDERS,
     REQUEST_CLASSES,
-    RETRACTIONS,
     EngineConfig,
+    SpeculativeConfig,
     parse_cap,
 )
-from hlserve.engine.presets import MODES, PRESETS, DeviceInfo, resolve_options
-from hlserve.engine.speculation import SpeculativeConfig
+from hlserve.engine.policies.names import check_policy_names, policy_names
+from hlserve.engine.presets import MODES, PRESETS, DeviceInfo, preset_knobs
 from hlserve.errors import InvalidRequestError
 
 # engine option -> (flag, help); vLLM's flag names where vLLM has the same knob
@@ -54,11 +54,13 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
                          "(hlserve serve's default: 1)"),
     "prefill_delay": (["--prefill-delay"], "admit new prefill at most every N iterations"),
     "max_chunked_prefills": (["--max-chunked-prefills"], "requests mid-chunk at once"),
-    "budget_controller": (["--budget-controller"], " | ".join(BUDGET_CONTROLLERS)),
-    "mixing": (["--mixing"], " | ".join(MIXING)),
-    "order": (["--order", "--schedule-policy"], " | ".join(ORDERS)),
-    "admission": (["--admission"], " | ".join(ADMISSIONS)),
-    "retraction": (["--retraction"], " | ".join(RETRACTIONS)),
+    # a policy's names are its module's registry's (engine/policies/names.py), checked by
+    # make_config like a keyword's: a sweep point with a bad name fails alone, not the sweep
+    "budget_controller": (["--budget-controller"], " | ".join(policy_names("budget_controller"))),
+    "mixing": (["--mixing"], " | ".join(policy_names("mixing"))),
+    "order": (["--order", "--schedule-policy"], " | ".join(policy_names("order"))),
+    "admission": (["--admission"], " | ".join(policy_names("admission"))),
+    "retraction": (["--retraction"], " | ".join(policy_names("retraction"))),
     "lpm_aging": (["--lpm-aging"], "LPM aging, tokens per iteration waited"),
     "program_aging_steps": (["--program-aging-steps"], "--order program: a request waiting "
                             "this many iterations joins the next rounds of started "
@@ -93,8 +95,9 @@ FLAG_DESTS = (*ENGINE_FLAGS, "enable_prefix_caching", "mode", "preset")
 OPTION_NAMES = frozenset(EngineConfig.field_names() - {"model"}) | {"mode", "preset"}
 
 
-def cap(text: str) -> int | None:
-    """A cap flag's value (:func:`hlserve.config.parse_cap`), refused as argparse refuses."""
+def cap_flag(text: str) -> int | None:
+    """A cap flag's value (:func:`hlserve.config.parse_cap`), refused as argparse refuses:
+    the one place a cap's text becomes its int (or None, no cap)."""
     try:
         return parse_cap(text)
     except ValueError as e:
@@ -115,23 +118,25 @@ def seconds(text: str) -> float | None:
     return value
 
 
-def speculative_config(spec: Any) -> str | None:
-    """vLLM's speculative config (JSON text, a dict or a :class:`SpeculativeConfig`; None:
-    off) checked and as canonical JSON text; ValueError saying what is wrong if it is not one."""
+def parse_speculative_config(spec: Any) -> SpeculativeConfig | None:
+    """vLLM's speculative config (JSON text, a dict or a :class:`SpeculativeConfig`; None or a
+    no-cap word: off), parsed and checked once where it comes in; ValueError saying what is
+    wrong if it is not one."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in NO_CAP_WORDS):
         return None
+    if isinstance(spec, SpeculativeConfig):
+        return spec
     try:
-        parsed = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.parse(spec)
+        return SpeculativeConfig.parse(spec)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config is not valid JSON ({e}): {spec!r}") from None
     except (InvalidRequestError, TypeError) as e:
         raise ValueError(f"--speculative-config: {e}") from None
-    return json.dumps(dataclasses.asdict(parsed), sort_keys=True)
 
 
-def _speculative_flag(text: str) -> str | None:
+def _speculative_flag(text: str) -> SpeculativeConfig | None:
     try:
-        return speculative_config(text)
+        return parse_speculative_config(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -154,7 +159,7 @@ def _flag_type(name: str, default: Any) -> Any:
     if name in ("max_step_seconds", "session_ttl"):
         return seconds
     if name in CAP_KNOBS:
-        return cap
+        return cap_flag
     if name in STR_KNOBS:
         return str
     return {"int": int, "float": float, "str": str}.get(type(default).__name__, int)
@@ -208,11 +213,17 @@ def check_options(options: dict[str, Any]) -> None:
 
 def make_config(model: str, *, device_info: DeviceInfo | None = None,
                 **options: Any) -> EngineConfig:
-    """Engine options (``mode`` / ``preset`` expanded for ``device_info``, detected from the
-    ``device`` option when None; every option given winning over the preset, None included)
-    as a config."""
+    """The one maker of an engine's config: the options given (flags as argparse typed them,
+    or Python keywords) laid over the knobs of their ``mode`` / ``preset`` (for
+    ``device_info``, detected from the ``device`` option when None), every option given
+    winning, None included. A speculative config given as JSON text or a dict is parsed here;
+    the policy names are checked against their registries."""
     check_options(options)
-    resolved = resolve_options(options, device_info)
-    if resolved.get("speculative_config") is not None:
-        resolved["speculative_config"] = speculative_config(resolved["speculative_config"])
-    return EngineConfig(model=str(model), **resolved)
+    given = {k: v for k, v in options.items() if k not in ("mode", "preset")}
+    if "speculative_config" in given:
+        given["speculative_config"] = parse_speculative_config(given["speculative_config"])
+    knobs = preset_knobs(options.get("mode"), options.get("preset"),
+                         options.get("device", "auto"), device_info)
+    config = EngineConfig(model=str(model), **{**knobs, **given})
+    check_policy_names(config)
+    return config

@@ -2,7 +2,10 @@
 
 The engine validates requests (a bad one raises :class:`InvalidRequestError` and nothing
 else is touched), owns the clock, appends sampled tokens, decides when a request stops
-(EOS, stop ids, stop strings, ``max_tokens``, the model's length) and hands pages back.
+(EOS, stop ids, stop strings, ``max_tokens``, the model's length) and hands pages back. It
+fails a broken batch or step alone (engine/faults.py). Its callers read what it offers
+(``stats``, ``model_config``, ``running``, ``kv_usage``, ...), never its parts; it is built
+by ``engine/factory.py:build_engine`` alone.
 """
 
 from __future__ import annotations
@@ -11,17 +14,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
-from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.counters import Counters, EngineStats
+from hlserve.engine.faults import FailureStreak, bisect_forward, merge_runs, stranded_requests
 from hlserve.engine.policies.caps import HostCaps, describe_caps
 from hlserve.engine.scheduler import Scheduler
 from hlserve.engine.sessions import Sessions, session_key
-from hlserve.engine.spec_decode import SpecDecoder, SpecStats
+from hlserve.engine.spec_decode import SpecStats
 from hlserve.errors import EngineDeadError, InvalidRequestError
+from hlserve.models.config import ModelConfig
 from hlserve.request import (
     FinishReason,
     Request,
@@ -36,29 +39,6 @@ from hlserve.structured.thinking import ThinkingState
 from hlserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hlserve.engine")
-MAX_CONSECUTIVE_FAILURES = 3  # then the runner is broken, not one batch: the engine is dead
-
-
-class FailureStreak:
-    """The one rule for when failures mean the engine is broken rather than one batch:
-    ``MAX_CONSECUTIVE_FAILURES`` failures in a row with no batch run in between. A failure is
-    a forward that fails for every sequence, or a step that raises (inside the engine or in
-    the loop that drives it); a batch that runs ends the streak."""
-
-    def __init__(self, limit: int = MAX_CONSECUTIVE_FAILURES) -> None:
-        self.limit = limit
-        self.count = 0
-
-    def reset(self) -> None:
-        self.count = 0
-
-    def record(self, what: str, exc: BaseException) -> None:
-        """Count one failure; raises :class:`EngineDeadError` once the streak is long enough."""
-        self.count += 1
-        if self.count >= self.limit:
-            raise EngineDeadError(f"{self.count} {what} failed in a row; last: {exc}") from exc
-
-
 class VirtualClock:
     """Simulated time: advanced by each step's predicted duration instead of the wall."""
 
@@ -72,36 +52,20 @@ class VirtualClock:
         self.t += dt
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens of finished requests
-    generation_tokens: int = 0
-    computed_tokens: int = 0  # tokens run through the model (recompute included)
-    busy_time: float = 0.0
-    failed_steps: int = 0
-
-
 class Engine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        runner: Runner,
-        tokenizer: Tokenizer | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    """Built by ``engine/factory.py:build_engine``, which makes its parts from the config."""
+
+    def __init__(self, config: EngineConfig, runner: Runner, scheduler: Scheduler,
+                 tokenizer: Tokenizer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.clock = clock
-        mc = runner.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.kv = KVCacheManager(runner.num_pages, runner.page_size, config.enable_prefix_caching)
-        self.spec = SpecDecoder.from_json(config.speculative_config,
-                                          config.speculative_adaptive)
-        if self.spec is not None and not runner.supports_speculation:
-            raise ValueError(f"speculative decoding is not supported by {type(runner).__name__}")
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.spec)
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.spec = scheduler.spec
+        self.max_model_len = scheduler.max_model_len
         self.sessions = Sessions(config.session_ttl, config.session_ttl_policy)
         self._advance = getattr(clock, "advance", None)
         self.caps_report = describe_caps(config, HostCaps(
@@ -113,9 +77,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished: list[Request] = []  # ended outside a step (aborts), reported next step
-        self.stats = EngineStats()
+        self._counts = Counters()
         self.failures = FailureStreak()
-        self.default_eos = frozenset(tokenizer.eos_token_ids if tokenizer else mc.eos_token_ids)
+        self.default_eos = frozenset(tokenizer.eos_token_ids if tokenizer
+                                     else runner.model_config.eos_token_ids)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
@@ -130,7 +95,7 @@ class Engine:
                         raise InvalidRequestError("structured outputs need a tokenizer; this "
                                                   "model has none")
                     self._grammars = GrammarCompiler(self.tokenizer.to_json(),
-                                                     self.runner.model_config.vocab_size,
+                                                     self.model_config.vocab_size,
                                                      self.default_eos)
         return self._grammars
 
@@ -206,7 +171,7 @@ class Engine:
                 raise InvalidRequestError("this model has no tokenizer: send token ids")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.runner.model_config.vocab_size
+        vocab = self.model_config.vocab_size
         # one pass in C over types and the range; the per-token loop only names the culprit
         # (a 64K-token prompt would otherwise cost milliseconds of Python per request)
         if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab):
@@ -229,7 +194,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if params.logit_bias:
-            vocab = self.runner.model_config.vocab_size
+            vocab = self.model_config.vocab_size
             if bad := sorted(t for t in params.logit_bias if t >= vocab)[:5]:
                 raise InvalidRequestError(f"logit_bias has token ids not in the vocabulary "
                                           f"[0, {vocab}): {bad}")
@@ -254,6 +219,42 @@ class Engine:
         return True
 
     # ---- read-only state: what the server's gauges and counters show ------------------
+    @property
+    def stats(self) -> EngineStats:
+        """The counters and session retention now, as a snapshot (it does not change)."""
+        c, kv = self._counts, self.kv
+        return EngineStats(c.steps, c.prompt_tokens, c.generation_tokens, c.computed_tokens,
+                           c.busy_time, c.failed_steps, kv.num_retained, kv.retained_hits,
+                           kv.retained_expired, kv.retained_evicted,
+                           self.sessions.stats.reprefilled_tokens)
+
+    @property
+    def num_steps(self) -> int:
+        """``stats.steps`` without a snapshot: what a driver reads around every step."""
+        return self._counts.steps
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's config (vocabulary, context length, EOS ids), as the runner loaded it."""
+        return self.runner.model_config
+
+    @property
+    def last_progress(self) -> float:
+        """time.monotonic() of the forward's last sign of progress (a layer begun), read from
+        another thread to tell a long step from a stuck one; 0.0: the runner reports none."""
+        return self.runner.last_progress
+
+    @property
+    def virtual_time(self) -> bool:
+        """Whether the clock is simulated (advanced by each step's predicted time)."""
+        return self._advance is not None
+
+    def skip_time(self, dt: float) -> None:
+        """Jump a simulated clock ``dt`` seconds ahead (an idle gap of a simulation)."""
+        if self._advance is None:
+            raise RuntimeError("the engine runs on the wall clock: time cannot be skipped")
+        self._advance(dt)
+
     @property
     def running(self) -> Sequence[Request]:
         """Running requests, in admission order (read them, do not change them)."""
@@ -306,6 +307,11 @@ class Engine:
     def check_invariants(self) -> None:
         """Raises AssertionError if the KV accounting does not balance."""
         self.scheduler.check_invariants()
+
+    def record_failed_step(self, exc: BaseException) -> None:
+        """A step raised out of :meth:`step` in the loop that drives the engine: it counts
+        towards the failure streak; raises :class:`EngineDeadError` once that is too long."""
+        self.failures.record("engine steps", exc)
 
     # ---- the loop -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -375,9 +381,9 @@ class Engine:
         self.scheduler.observe(batch, result.elapsed)
         self.sessions.observe(result.elapsed, batch.num_prefill_tokens)
         now = self.clock()
-        self.stats.steps += 1
-        self.stats.computed_tokens += batch.num_tokens
-        self.stats.busy_time += result.elapsed
+        self._counts.steps += 1
+        self._counts.computed_tokens += batch.num_tokens
+        self._counts.busy_time += result.elapsed
         if any(seq.draft for seq in batch.seqs):
             self.scheduler.update(batch, result.accepted)
         else:
@@ -412,8 +418,8 @@ class Engine:
         else:
             self.failures.reset()
             return batch, result
-        ok, failed = self._bisect(batch.seqs, exc)
-        self.stats.failed_steps += 1
+        ok, failed = bisect_forward(self.runner, batch.seqs, exc)
+        self._counts.failed_steps += 1
         log.error("a forward failed; failing %d of its %d requests: %s", len(failed), len(batch),
                   exc, exc_info=True)
         for seq, err in failed:
@@ -424,32 +430,7 @@ class Engine:
             self.failures.reset()
         else:
             self.failures.record("forwards", exc)
-        seqs = [seq for sub, _ in ok for seq in sub.seqs]
-        merged = StepResult(tokens={}, elapsed=0.0)
-        for _, res in ok:
-            merged.tokens.update(res.tokens)
-            merged.accepted.update(res.accepted)
-            merged.logprobs.update(res.logprobs)
-            merged.elapsed += res.elapsed
-        return Batch(seqs=seqs), merged
-
-    def _bisect(self, seqs: list, exc: Exception
-                ) -> tuple[list[tuple[Batch, StepResult]], list[tuple[Any, Exception]]]:
-        """(sub-batches that ran with their results, sequences that fail alone)."""
-        if len(seqs) == 1:
-            return [], [(seqs[0], exc)]
-        ok: list[tuple[Batch, StepResult]] = []
-        failed: list[tuple[Any, Exception]] = []
-        half = len(seqs) // 2
-        for part in (seqs[:half], seqs[half:]):
-            sub = Batch(seqs=part)
-            try:
-                ok.append((sub, self.runner.execute(sub)))
-            except Exception as e:
-                more_ok, more_failed = self._bisect(part, e)
-                ok += more_ok
-                failed += more_failed
-        return ok, failed
+        return merge_runs(ok)
 
     def _recover(self, exc: Exception, touched: list[Request]) -> None:
         """A step raised outside the runner: end with an error every request the step was
@@ -457,21 +438,9 @@ class Engine:
         held while waiting, running without pages, in neither queue), so that each gets its
         final output and nothing holds pages; then the accounting must balance."""
         log.error("an engine step failed outside the forward: %s", exc, exc_info=True)
-        self.stats.failed_steps += 1
-        sched, kv = self.scheduler, self.kv
-        victims = {s.request.request_id: s.request for s in sched.last_scheduled()}
-        queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
-        for r in sched.running:
-            if r.status is not RequestStatus.RUNNING or not kv.holds(r.request_id):
-                victims[r.request_id] = r
-        for r in sched.waiting:
-            if r.status is not RequestStatus.WAITING or kv.holds(r.request_id):
-                victims[r.request_id] = r
-        for rid, r in self.requests.items():
-            if rid not in queued:
-                victims[rid] = r
-        for r in sched.rejected:
-            victims[r.request_id] = r
+        self._counts.failed_steps += 1
+        sched = self.scheduler
+        victims = stranded_requests(sched, self.kv, self.requests)
         sched.rejected.clear()
         for req in victims.values():
             if not req.finished:
@@ -589,7 +558,7 @@ class Engine:
             req.output_text = detok.text
         self.runner.release(req.request_id)
         self.requests.pop(req.request_id, None)
-        self.stats.prompt_tokens += req.num_prompt_tokens
-        self.stats.generation_tokens += len(req.output_token_ids)
+        self._counts.prompt_tokens += req.num_prompt_tokens
+        self._counts.generation_tokens += len(req.output_token_ids)
         if reason is FinishReason.ABORT:
             self._finished.append(req)

@@ -90,13 +90,11 @@ PRESETS = ("sglang", "vllm", "sarathi", "sarathi-relaxed", "hlserve")
 MODES = {"throughput": "hlserve", "slo": "vllm"}
 
 
-def resolve_options(options: dict[str, Any], dev: DeviceInfo | None = None) -> dict[str, Any]:
-    """Expand ``mode`` / ``preset`` into knobs, the options given laid over the preset's: a
-    key present is explicit whatever its value, so ``chunk_size=None`` (``--chunk-size none``)
-    removes a preset's cap, and a knob left out keeps it."""
-    opts = dict(options)
-    mode = opts.pop("mode", None)
-    preset = opts.pop("preset", None)
+def preset_knobs(mode: str | None, preset: str | None, device: str = "auto",
+                 dev: DeviceInfo | None = None) -> dict[str, Any]:
+    """The knobs a ``mode`` or ``preset`` fills in, and ``preset``: its name (none of either:
+    no knobs), for ``dev`` (detected for the ``device`` option when None). The options given
+    are laid over them by whoever makes the config (engine/args.py:make_config)."""
     if mode is not None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: {', '.join(MODES)}")
@@ -104,10 +102,16 @@ def resolve_options(options: dict[str, Any], dev: DeviceInfo | None = None) -> d
             raise ValueError(f"mode {mode!r} is preset {MODES[mode]!r}, not {preset!r}")
         preset = MODES[mode]
     if preset is None:
-        return opts
-    dev = dev or DeviceInfo.detect(opts.get("device", "auto"))
-    merged = preset_options(preset, dev)
-    merged.update(opts)
-    merged["preset"] = preset
-    return merged
+        return {}
+    return {**preset_options(preset, dev or DeviceInfo.detect(device)), "preset": preset}
+
+
+def resolve_options(options: dict[str, Any], dev: DeviceInfo | None = None) -> dict[str, Any]:
+    """Expand ``mode`` / ``preset`` into knobs, the options given laid over the preset's: a
+    key present is explicit whatever its value, so ``chunk_size=None`` (``--chunk-size none``)
+    removes a preset's cap, and a knob left out keeps it."""
+    opts = dict(options)
+    mode = opts.pop("mode", None)
+    preset = opts.pop("preset", None)
+    return {**preset_knobs(mode, preset, opts.get("device", "auto"), dev), **opts}
 

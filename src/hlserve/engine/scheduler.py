@@ -36,9 +36,9 @@ from hlserve.engine.policies.caps import (
     interactive_presence,
     step_caps,
 )
-from hlserve.engine.policies.lpm import make_order
+from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.policies.mixing import MixState, make_mixing, mix_state
-from hlserve.engine.policies.order import interactive_first
+from hlserve.engine.policies.order import interactive_first, make_order
 from hlserve.engine.policies.retraction import make_retraction
 from hlserve.engine.spec_decode import SpecDecoder
 from hlserve.request import Request, RequestClass, RequestStatus
@@ -73,7 +73,8 @@ class Scheduler:
         self.kv = kv
         self.spec = spec  # speculative decoding (engine/spec_decode.py); None: off
         self.max_model_len = max_model_len or config.max_model_len
-        self.order = make_order(config, kv)
+        self.order = make_order(config, lambda: LongestPrefixMatch(
+            kv, config.lpm_aging, config.lpm_fcfs_fallback))
         self.mixing = make_mixing(config)
         self.admission = Admission(config, self.max_model_len)
         self.retraction = make_retraction(config)

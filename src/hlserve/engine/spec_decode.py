@@ -23,11 +23,11 @@ before the drafts, and :meth:`SpecDecoder.observe_step` with the step's time.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
+from hlserve.config import SpeculativeConfig
 from hlserve.engine.spec_adaptive import AdaptiveK
-from hlserve.engine.speculation import SpeculativeConfig, Speculator, make_speculator
+from hlserve.engine.speculation import Speculator, make_speculator
 from hlserve.request import Request
 
 
@@ -71,24 +71,20 @@ def speculates(req: Request) -> bool:
 class SpecDecoder:
     """The engine's speculation: the config, its speculator and the counters."""
 
-    def __init__(self, config: SpeculativeConfig, adaptive: bool = False) -> None:
+    def __init__(self, config: SpeculativeConfig, adaptive: bool = False,
+                 speculator: Speculator | None = None) -> None:
+        """``EngineConfig.speculative_config`` and ``speculative_adaptive``; ``speculator``
+        None: the config's method's (the simulator gives its acceptance profile's)."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.speculator: Speculator = make_speculator(config)
+        self.speculator: Speculator = speculator if speculator is not None \
+            else make_speculator(config)
         self.adaptive = AdaptiveK(self.k) if adaptive else None
         self.stats = SpecStats(accepted_per_pos=[0] * self.k, drafted_per_pos=[0] * self.k,
                                adaptive=self.adaptive)
         self._step_k = self.k  # this step's k (begin_step); fixed k without adaptive
         self._probe = False  # one request of this step may still draft k_max (a probe)
         self._eligible: dict[str, bool] = {}  # speculates(req), once per request
-
-    @classmethod
-    def from_json(cls, text: str | None, adaptive: bool = False) -> SpecDecoder | None:
-        """From ``EngineConfig.speculative_config`` (canonical JSON; None: off) and
-        ``speculative_adaptive``."""
-        if text is None:
-            return None
-        return cls(SpeculativeConfig.parse(json.loads(text)), adaptive)
 
     def describe(self) -> str:
         """The start-up line."""

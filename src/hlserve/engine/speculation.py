@@ -11,79 +11,21 @@ already holds (no draft model), behind one interface.
   ``max_spec_factor`` x the match length tokens: a long, frequent match speculates far, a short
   or ambiguous one little (the adaptive length).
 
-``SpeculativeConfig.parse`` reads vLLM's ``--speculative-config`` JSON fields. This module is
-pure Python: the engine layer, no torch.
+Their config is :class:`hlserve.config.SpeculativeConfig` (vLLM's ``--speculative-config``
+fields, a typed field of ``EngineConfig``). This module is pure Python: the engine layer, no
+torch.
 """
 
 from __future__ import annotations
 
 import abc
-import json
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import overload
 
-from hlserve.errors import InvalidRequestError
-
-METHODS = ("ngram", "suffix")
-_KNOWN_FIELDS = {
-    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
-}
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's speculative-config fields that hlserve takes (the ngram and suffix methods)."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 2
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 1000
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidRequestError(
-                f"speculative method {self.method!r} is not supported: hlserve has {METHODS} "
-                "(no draft model)")
-        if self.num_speculative_tokens < 1:
-            raise InvalidRequestError("num_speculative_tokens must be >= 1")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise InvalidRequestError(
-                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
-        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_spec_factor <= 0:
-            raise InvalidRequestError("suffix_decoding_max_tree_depth and _max_spec_factor "
-                                      "must be positive")
-        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
-            raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
-
-    @classmethod
-    def parse(cls, spec: str | Mapping[str, Any]) -> SpeculativeConfig:
-        """From the flag's JSON text or ``LLM(speculative_config=dict)``; unknown fields refused."""
-        data = json.loads(spec) if isinstance(spec, str) else dict(spec)
-        if not isinstance(data, dict):
-            raise InvalidRequestError("speculative config must be a JSON object")
-        unknown = sorted(set(data) - _KNOWN_FIELDS)
-        if unknown:
-            raise InvalidRequestError(f"speculative config fields not supported: {unknown}")
-        if "method" not in data or "num_speculative_tokens" not in data:
-            raise InvalidRequestError("speculative config needs method and num_speculative_tokens")
-        if data["method"] == "ngram" and "prompt_lookup_min" in data \
-                and "prompt_lookup_max" not in data:
-            # vLLM: one bound given sets the other to it.
-            data["prompt_lookup_max"] = data["prompt_lookup_min"]
-        if data["method"] == "ngram" and "prompt_lookup_max" in data \
-                and "prompt_lookup_min" not in data:
-            data["prompt_lookup_min"] = data["prompt_lookup_max"]
-        return cls(**data)
+from hlserve.config import SpeculativeConfig
 
 
 class ContextView(Sequence[int]):

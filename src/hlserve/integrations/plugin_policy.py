@@ -34,7 +34,13 @@ from hlserve.engine.policies.caps import (
     step_caps,
 )
 from hlserve.engine.policies.mixing import make_mixing, mix_state
-from hlserve.engine.policies.order import FCFS, AgedPrefixOrder, OrderPolicy, interactive_first
+from hlserve.engine.policies.names import check_policy_names
+from hlserve.engine.policies.order import (
+    AgedPrefixOrder,
+    OrderPolicy,
+    interactive_first,
+    make_order,
+)
 from hlserve.engine.presets import DeviceInfo, preset_options
 
 # The plugin subclasses vLLM's scheduler and writes into its internals (the per-step token
@@ -77,7 +83,9 @@ def check_vllm_version(version: str) -> None:
 # that another request is prefilling
 _THROUGHPUT: dict[str, Any] = {**preset_options("hlserve", DeviceInfo("cpu")),
                                "retraction": "lifo", "defer_shared_prefill": False}
-# what the plugin runs of each policy knob: throughput mode's, or vLLM's own (ablations)
+# what the plugin runs of each policy knob's registry (engine/policies/names.py): throughput
+# mode's, or vLLM's own (ablations). The others need what vLLM's pass does its own way or
+# does not have (a request's agent session for "program", prefill-first mixing).
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "mixing": ("two_stage", "always"), "order": ("lpm", "fcfs"),
     "admission": ("backpressure", "chunk"), "budget_controller": ("ema", "fixed"),
@@ -85,9 +93,11 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 
 
 def throughput_config(**knobs: Any) -> EngineConfig:
-    """Throughput mode's config with ``knobs`` changed. EngineConfig checks every value; the
-    plugin checks only that it runs the policies named."""
+    """Throughput mode's config with ``knobs`` changed. EngineConfig and the policy
+    registries check every value (as in hlserve's engine); the plugin checks only that it
+    runs the policies named."""
     config = EngineConfig(model="", **{**_THROUGHPUT, **knobs})
+    check_policy_names(config)
     for name, allowed in SUPPORTED.items():
         if getattr(config, name) not in allowed:
             raise ValueError(f"the vLLM plugin runs {name} {' or '.join(allowed)}, got "
@@ -286,7 +296,8 @@ class PluginPolicy:
         self.budget = make_budget_controller(config, caps.max_num_batched_tokens)
         self.mixing = make_mixing(config)
         self.prefix = prefix
-        self.order: OrderPolicy = prefix if config.order == "lpm" else FCFS()
+        # the registry's order, "lpm" being the host's: LPM over vLLM's prefix cache
+        self.order: OrderPolicy = make_order(config, lambda: prefix)
         self.admission = Admission(config, caps.max_model_len)
         self.own_rules = own_rules
         self.step = 0

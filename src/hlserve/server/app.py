@@ -92,10 +92,16 @@ def create_app(engine: Engine, settings: ServerSettings, keys: KeyTable | None =
 
 
 def serve(config: EngineConfig, settings: ServerSettings) -> None:
-    """Build the engine on ``config``, then serve until interrupted (``hlserve serve``)."""
+    """Build the engine on ``config`` (the one factory, on the real runner), then serve until
+    interrupted (``hlserve serve``)."""
     keys = KeyTable.load(settings.api_key, settings.api_keys_file)  # fail before loading
     configure_logging(settings.log_level)
-    engine = build_served_engine(config)
+    engine = build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
+    # the engine steps on its own thread: this one's OpenMP workers (from loading the
+    # weights) are given back, so that the engine thread's are the only ones and spin between
+    # a step's parallel regions instead of sleeping (decode steps ran 1.15-1.18x slower
+    # without; cpu_runtime.release_openmp_workers)
+    release_openmp_workers()
     model = settings.model_arg or config.model
     app = create_app(engine, settings, keys, model)
     st: ServerState = app.state.hlserve
@@ -104,23 +110,12 @@ def serve(config: EngineConfig, settings: ServerSettings) -> None:
     print(f"hlserve {hlserve_version()} serving {', '.join(st.model_names)} ({model}) on "
           f"http://{settings.host}:{settings.port}: max_model_len {st.max_model_len}, KV pool "
           f"{st.pool_tokens} tokens; auth {auth}; default request class "
-          f"{getattr(engine.config, 'default_request_class', 'agent')}; queue cap "
+          f"{engine.config.default_request_class}; queue cap "
           f"{settings.max_queued_requests or 'none'}", file=sys.stderr, flush=True)
-    if caps := getattr(engine, "caps_report", None):
-        print(caps, file=sys.stderr, flush=True)
+    print(engine.caps_report, file=sys.stderr, flush=True)
     # SIGTERM drains (exit 0); a dead engine exits 1 so that a supervisor restarts us
     if code := run_server(app, st.bridge, settings):
         sys.exit(code)
-
-
-def build_served_engine(config: EngineConfig) -> Engine:
-    """The engine a server steps on its engine thread, built on this one. This thread's
-    OpenMP workers (from loading the weights) are given back once it is built, so that the
-    engine thread's are the only ones and spin between a step's parallel regions instead of
-    sleeping (cpu_runtime.release_openmp_workers: decode steps ran 1.15-1.18x slower without)."""
-    engine = build_engine(config, TorchRunner, tokenizer=Tokenizer.from_dir)
-    release_openmp_workers()
-    return engine
 
 
 def freeze_startup_heap() -> None:

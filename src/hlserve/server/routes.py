@@ -213,7 +213,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     st = state_of(request)
     req = await read_plain(request, st, DetokenizeRequest)
     tok = need_tokenizer(st)
-    vocab = st.engine.runner.model_config.vocab_size
+    vocab = st.engine.model_config.vocab_size
     if bad := [t for t in req.tokens if t >= vocab][:5]:
         raise ApiError(400, f"token ids not in the vocabulary [0, {vocab}): {bad}",
                        param="tokens", code="invalid_value")

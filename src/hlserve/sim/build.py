@@ -1,14 +1,17 @@
-"""An Engine on a simulated machine: the real Scheduler and KV cache, a SimRunner, virtual time."""
+"""An Engine on a simulated machine: the real Scheduler and KV cache, a SimRunner, virtual time,
+built by the one engine factory (``engine/factory.py:build_engine``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from hlserve.engine import factory
+from hlserve.config import EngineConfig
 from hlserve.engine.args import make_config
 from hlserve.engine.engine import Engine, VirtualClock
+from hlserve.engine.factory import build_engine
 from hlserve.engine.presets import DeviceInfo
+from hlserve.engine.speculation import Speculator
 from hlserve.sim.acceptance_profile import AcceptanceProfile, ProfileSpeculator
 from hlserve.sim.hardware import Hardware, get_hardware
 from hlserve.sim.sim_runner import SimRunner
@@ -30,6 +33,17 @@ class SimOptions:
         return {"mem_util": self.mem_util, "reserve_gib": self.reserve_gib,
                 "eos_rate": self.eos_rate}
 
+    def speculator(self, config: EngineConfig, runner: SimRunner) -> Speculator | None:
+        """The drafts' proposer of an engine on ``runner``: None without speculative_config,
+        else one that follows the acceptance profile over the runner's simulated tokens."""
+        if config.speculative_config is None:
+            return None
+        if self.acceptance is None:
+            raise ValueError("a simulated engine with speculative_config needs an acceptance "
+                             "profile (SimOptions.acceptance): simulated tokens have nothing "
+                             "for a speculator to copy")
+        return ProfileSpeculator(self.acceptance, runner.token_at, runner.vocab)
+
 
 def device_info(hw: Hardware) -> DeviceInfo:
     """What the presets key their defaults on (SGLang's chunk size by memory, vLLM's budget by
@@ -42,18 +56,11 @@ def device_info(hw: Hardware) -> DeviceInfo:
 def build_sim_engine(model: str, hardware: str | Hardware = "H20", tp: int = 1,
                      sim: SimOptions = SimOptions(), **options: Any) -> Engine:
     """``build_sim_engine("Qwen2.5-32B", "H20", tp=8, mode="throughput")``: engine options as
-    for :func:`hlserve.llm.build_engine` (``mode``/``preset`` expanded for the simulated
-    device); the SimRunner's own options in ``sim``."""
+    ``engine/args.py:make_config`` takes them (``mode``/``preset`` expanded for the simulated
+    device); the SimRunner's own options in ``sim``. A caller that reads the runner's own
+    counters builds the same three parts itself (study/core.py)."""
     hw = get_hardware(hardware)
-    engine = factory.build_engine(
-        make_config(model, device_info=device_info(hw), **options),
-        lambda c: SimRunner(c, hw, tp, **sim.runner_options()), clock=VirtualClock())
-    if engine.spec is not None:
-        if sim.acceptance is None:
-            raise ValueError("a simulated engine with speculative_config needs an acceptance "
-                             "profile (SimOptions.acceptance): simulated tokens have nothing "
-                             "for a speculator to copy")
-        runner = engine.runner
-        assert isinstance(runner, SimRunner)
-        engine.spec.speculator = ProfileSpeculator(sim.acceptance, runner.token_at, runner.vocab)
-    return engine
+    config = make_config(model, device_info=device_info(hw), **options)
+    runner = SimRunner(config, hw, tp, **sim.runner_options())
+    return build_engine(config, runner, clock=VirtualClock(),
+                        speculator=sim.speculator(config, runner))

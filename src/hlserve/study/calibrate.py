@@ -298,15 +298,17 @@ class RecordingRunner(Runner):
 def real_engine(model_dir: str, engine_options: dict[str, Any], recording: bool = True):
     """An Engine on the real runner (on this module's clock), with the runner wrapped for
     recording; returns (engine, runner)."""
-    from hlserve.llm import build_engine
+    from hlserve.engine.args import make_config
+    from hlserve.engine.factory import build_engine
+    from hlserve.models.resolve import resolve_model
     from hlserve.runner.torch_runner import TorchRunner
+    from hlserve.tokenizer import Tokenizer
 
-    def runner(config):
-        inner = TorchRunner(config)
-        return RecordingRunner(inner) if recording else inner
-
-    engine = build_engine(str(model_dir), runner=runner, clock=_clock, **engine_options)
-    return engine, engine.runner
+    config = make_config(resolve_model(model_dir), **engine_options)
+    inner = TorchRunner(config)
+    runner = RecordingRunner(inner) if recording else inner
+    engine = build_engine(config, runner, tokenizer=Tokenizer.from_dir, clock=_clock)
+    return engine, runner
 
 
 def fit_host(steps: list[StepRecord]) -> tuple[float, float]:
@@ -481,7 +483,7 @@ def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
     wall = now() - t
     drift = (drift_before * machine_drift(model_dir, hw, device)) ** 0.5
     steps = rec.finish()
-    cm = CostModel(engine.runner.model_config, hw)
+    cm = CostModel(engine.model_config, hw)
     pred_step = np.array([cm.iteration(s.shape)[0] for s in steps])
     # the forward alone: the predicted step less the host time the profile adds to it
     pred_fwd = pred_step - np.array([hw.host_overhead + hw.host_seq_overhead * s.shape.num_seqs

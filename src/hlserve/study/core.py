@@ -23,7 +23,12 @@ from hlserve.driver import records
 from hlserve.driver.closed_loop import LoopResult
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
-from hlserve.sim.build import SimOptions, build_sim_engine
+from hlserve.engine.args import make_config
+from hlserve.engine.engine import VirtualClock
+from hlserve.engine.factory import build_engine
+from hlserve.sim.build import SimOptions, device_info
+from hlserve.sim.hardware import get_hardware
+from hlserve.sim.sim_runner import SimRunner
 from hlserve.study.drive import run_agent_steady
 
 # system -> (options, knob swept, default sweep)
@@ -133,10 +138,15 @@ def run_point(spec: StudySpec, point: StudyPoint, options: dict[str, Any] | None
     the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object;
     ``sim`` the simulation's own options (an acceptance profile for speculation)."""
     opts = {**system_options(point.system, point.knob), **(options or {})}
-    max_len = point.context + 4096
-    engine = build_sim_engine(spec.model, spec.hardware, spec.tp, sim=sim or SimOptions(), max_model_len=max_len,
-                              **opts)
-    vocab_hi = min(engine.runner.model_config.vocab_size, 150000)
+    sim = sim or SimOptions()
+    hw = get_hardware(spec.hardware)
+    # build_sim_engine's parts, built here: the study reads the runner's own counters
+    config = make_config(spec.model, device_info=device_info(hw),
+                         max_model_len=point.context + 4096, **opts)
+    runner = SimRunner(config, hw, spec.tp, **sim.runner_options())
+    engine = build_engine(config, runner, clock=VirtualClock(),
+                          speculator=sim.speculator(config, runner))
+    vocab_hi = min(engine.model_config.vocab_size, 150000)
     workload = AgentWorkload.for_context(point.context, point.sessions, rounds=spec.rounds,
                                          output_mean=spec.output_mean, vocab=(3, vocab_hi),
                                          seed=spec.seed, prefix_reuse=spec.prefix_reuse,
@@ -145,7 +155,6 @@ def run_point(spec: StudySpec, point: StudyPoint, options: dict[str, Any] | None
     res = run_agent_steady(engine, workload, duration=spec.duration, warmup=spec.warmup,
                            wall_limit=spec.wall_limit, ramp=spec.warmup / 2, token_times=True)
     wall = time.perf_counter() - t
-    runner = engine.runner
     metrics = {
         **window_metrics(res),
         **res.extra,
@@ -165,8 +174,8 @@ def run_point(spec: StudySpec, point: StudyPoint, options: dict[str, Any] | None
         "stalled": res.stalled,
         "stalled_at_s": res.stalled_at,
     }
-    if engine.spec is not None:  # only then: stored points without speculation stay as they are
-        st = engine.spec.stats
+    st = engine.spec_stats
+    if st is not None:  # only then: stored points without speculation stay as they are
         metrics |= {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
                     "spec_num_accepted_tokens": st.num_accepted_tokens,
                     "spec_num_lookups": st.num_lookups}

@@ -145,9 +145,16 @@ class Backpressure(AdmissionPolicy):
         return max(q.chunk_pages, prompt + min(share, q.num_running + 1))
 
 
+# the knob's names, each with its policy's class: what ``--admission`` lists, what a config is
+# checked against (engine/policies/names.py) and what ``make_admission`` builds
+ADMISSIONS: dict[str, type[AdmissionPolicy]] = {
+    "chunk": ChunkFits, "reserve": Reserve, "abort_guard": AbortGuard,
+    "backpressure": Backpressure,
+}
+
+
 def make_admission(config: EngineConfig) -> AdmissionPolicy:
-    return {"chunk": ChunkFits, "reserve": Reserve, "abort_guard": AbortGuard,
-            "backpressure": Backpressure}[config.admission]()
+    return ADMISSIONS[config.admission]()
 
 
 

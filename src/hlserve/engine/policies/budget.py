@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 
 from hlserve.config import EngineConfig
 
@@ -81,15 +82,31 @@ class EMABudget(BudgetController):
 
 
 
+def _fixed(config: EngineConfig, initial: int, ceiling: int) -> BudgetController:
+    return FixedBudget(config.token_budget)
+
+
+def _ratchet(config: EngineConfig, initial: int, ceiling: int) -> BudgetController:
+    return RatchetBudget(initial, config.budget_warmup)
+
+
+def _ema(config: EngineConfig, initial: int, ceiling: int) -> BudgetController:
+    return EMABudget(initial, config.ema_alpha, config.budget_warmup,
+                     min(config.budget_min, ceiling), ceiling)
+
+
+# the knob's names, each with its constructor from (config, start budget, ceiling): what
+# ``--budget-controller`` lists, what a config is checked against (engine/policies/names.py)
+# and what ``make_budget_controller`` builds
+BUDGET_CONTROLLERS: dict[str, Callable[[EngineConfig, int, int], BudgetController]] = {
+    "fixed": _fixed, "ratchet": _ratchet, "ema": _ema,
+}
+
+
 def make_budget_controller(config: EngineConfig, pool_tokens: int) -> BudgetController:
     ceiling = config.budget_max or pool_tokens
     initial = config.token_budget or ceiling
-    if config.budget_controller == "ratchet":
-        return RatchetBudget(initial, config.budget_warmup)
-    if config.budget_controller == "ema":
-        return EMABudget(initial, config.ema_alpha, config.budget_warmup,
-                         min(config.budget_min, ceiling), ceiling)
-    return FixedBudget(config.token_budget)
+    return BUDGET_CONTROLLERS[config.budget_controller](config, initial, ceiling)
 
 
 class StepTimeCap:

@@ -13,15 +13,8 @@ from dataclasses import dataclass, field
 from itertools import chain, filterfalse
 from operator import attrgetter, itemgetter
 
-from hlserve.config import EngineConfig
 from hlserve.engine.kv_cache import KVCacheManager, Node, TreeWatch
-from hlserve.engine.policies.order import (
-    FCFS,
-    AgedPrefixOrder,
-    OrderPolicy,
-    PriorityOrder,
-    ProgramOrder,
-)
+from hlserve.engine.policies.order import AgedPrefixOrder
 from hlserve.request import Request
 
 
@@ -371,13 +364,3 @@ class LongestPrefixMatch(AgedPrefixOrder):
         self._ranking = _Ranking(next_seq=self._ranking.next_seq, max_step=self._ranking.max_step)
         self._watch.at.clear()
         self._watch.changed.clear()
-
-
-
-def make_order(config: EngineConfig, kv: KVCacheManager) -> OrderPolicy:
-    if config.order == "lpm":
-        return LongestPrefixMatch(kv, config.lpm_aging, config.lpm_fcfs_fallback)
-    if config.order == "program":  # by session, each class in throughput mode's LPM order
-        lpm = LongestPrefixMatch(kv, config.lpm_aging, config.lpm_fcfs_fallback)
-        return ProgramOrder(lpm, config.program_aging_steps)
-    return {"fcfs": FCFS, "priority": PriorityOrder}[config.order]()

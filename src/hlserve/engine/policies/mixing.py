@@ -5,7 +5,7 @@ switch."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hlserve.config import EngineConfig
@@ -82,8 +82,15 @@ def mix_state(mixing: MixingPolicy, kv_usage: float, evictable_pages: int, page_
     return MixState(kv_usage, pending, evictable_pages, decoding)
 
 
+# the knob's names, each with its constructor from the config: what ``--mixing`` lists, what a
+# config is checked against (engine/policies/names.py) and what ``make_mixing`` builds
+MIXINGS: dict[str, Callable[[EngineConfig], MixingPolicy]] = {
+    "always": lambda config: AlwaysMix(),
+    "prefill_first": lambda config: PrefillFirst(),
+    "two_stage": lambda config: TwoStage(config.two_stage_high, config.two_stage_low),
+}
+
+
 def make_mixing(config: EngineConfig) -> MixingPolicy:
-    if config.mixing == "two_stage":
-        return TwoStage(config.two_stage_high, config.two_stage_low)
-    return {"always": AlwaysMix, "prefill_first": PrefillFirst}[config.mixing]()
+    return MIXINGS[config.mixing](config)
 

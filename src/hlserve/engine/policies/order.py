@@ -6,7 +6,8 @@ request's tokens are cached (hlserve's radix tree in ``lpm.py``, vLLM's block po
 ``hlserve.integrations.vllm``). ``ProgramOrder`` orders by agent program: the next rounds of
 sessions already started ahead of sessions not started, each class in another order's order
 (hlserve: LPM), with an aging limit. ``interactive_first`` puts interactive requests ahead of
-that order, in both hosts.
+that order, in both hosts. ``ORDERS`` is the knob's registry of names and ``make_order``
+builds the one a config names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
+from hlserve.config import EngineConfig
 from hlserve.engine.sessions import MAX_SESSIONS
 from hlserve.request import Request
 
@@ -147,6 +149,27 @@ class ProgramOrder(OrderPolicy):
     def forget(self, req: Request) -> None:
         self._since.pop(req.request_id, None)
         self.inner.forget(req)
+
+
+# how a host builds its LPM order (an ``AgedPrefixOrder`` over its own prefix cache: hlserve's
+# radix tree in lpm.py, vLLM's block pool in the plugin), asked only by the names that use it
+LongestPrefix = Callable[[], AgedPrefixOrder]
+
+# the knob's names, each with its constructor from the config and the host's LPM order: what
+# ``--order`` lists, what a config is checked against (engine/policies/names.py) and what
+# ``make_order`` builds, in hlserve's scheduler and in the vLLM plugin alike
+ORDERS: dict[str, Callable[[EngineConfig, LongestPrefix], OrderPolicy]] = {
+    "fcfs": lambda config, lpm: FCFS(),
+    "lpm": lambda config, lpm: lpm(),
+    "priority": lambda config, lpm: PriorityOrder(),
+    # by session, each class in the host's LPM order (throughput mode's)
+    "program": lambda config, lpm: ProgramOrder(lpm(), config.program_aging_steps),
+}
+
+
+def make_order(config: EngineConfig, longest_prefix: LongestPrefix) -> OrderPolicy:
+    """The order the config names; ``longest_prefix`` builds the host's LPM order."""
+    return ORDERS[config.order](config, longest_prefix)
 
 
 def interactive_first(waiting: list[Any], is_interactive: Callable[[Any], bool],

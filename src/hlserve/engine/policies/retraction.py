@@ -41,7 +41,13 @@ class PriorityVictim(RetractionPolicy):
         return max(candidates, key=lambda r: (r.priority, r.seq))
 
 
+# the knob's names, each with its policy's class: what ``--retraction`` lists, what a config is
+# checked against (engine/policies/names.py) and what ``make_retraction`` builds
+RETRACTIONS: dict[str, type[RetractionPolicy]] = {
+    "fewest_generated": FewestGenerated, "lifo": LIFO, "priority": PriorityVictim,
+}
+
+
 def make_retraction(config: EngineConfig) -> RetractionPolicy:
-    return {"fewest_generated": FewestGenerated, "lifo": LIFO,
-            "priority": PriorityVictim}[config.retraction]()
+    return RETRACTIONS[config.retraction]()
 

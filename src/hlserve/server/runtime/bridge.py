@@ -22,7 +22,7 @@ in one dedicated thread that owns it outright: nothing else calls into the engin
   else (``error`` events, 400). The engine fails a request whose forward or output
   processing raises alone, and recovers from a step that raises outside the forward (each
   request it touched ends with an error); the engine's
-  :class:`~hlserve.engine.engine.FailureStreak` (three failures in a row, counting steps
+  :class:`~hlserve.engine.faults.FailureStreak` (three failures in a row, counting steps
   that raise out of ``step()`` here), or any error outside a step, kill the loop: every
   pending request gets :class:`EngineDeadError`, ``/health`` answers 503, and the server
   process exits non-zero so that a supervisor restarts it.
@@ -180,8 +180,7 @@ class EngineBridge:
             return self.dead_reason or "the engine is stopping"
         # a step that is long but progressing beats from inside its forward (a layer begun)
         # and uses CPU time: only a loop that neither comes round nor progresses is wedged
-        progress = max(self._beat, getattr(self.engine.runner, "last_progress", 0.0),
-                       self._cpu.last_advance())
+        progress = max(self._beat, self.engine.last_progress, self._cpu.last_advance())
         stalled = time.monotonic() - progress
         if stalled > self.limits.engine_iteration_timeout_s and self.num_in_flight():
             return (f"engine wedged: no engine step progressed in {stalled:.0f}s while "
@@ -532,7 +531,7 @@ class EngineBridge:
         accounting still holds."""
         log.error("an engine step failed: %s", exc, exc_info=True)
         self.metrics.engine_step_errors.labels(self.metrics.model_name).inc()
-        self.engine.failures.record("engine steps", exc)  # raises once the engine is broken
+        self.engine.record_failed_step(exc)  # raises once the engine is broken
         running = {r.request_id for r in self.engine.running}
         for rid in list(self._live):
             if rid not in running:
@@ -558,8 +557,8 @@ class EngineBridge:
             self.metrics.c[cls].running.set(running)
             self.metrics.c[cls].waiting.set(waiting)
         self.metrics.kv_usage.labels(self.metrics.model_name).set(eng.kv_usage)
-        self.metrics.publish_sessions(eng)
-        self.metrics.publish_spec(eng)
+        self.metrics.publish_sessions(eng.stats)
+        self.metrics.publish_spec(eng.spec_stats)
         self._waiting = len(eng.waiting)
         self._waiting_tokens = sum(r.num_prompt_tokens for r in eng.waiting)
 

@@ -10,7 +10,7 @@ by it after every loop iteration, so a scrape never touches the engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +23,10 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from hlserve.request import REQUEST_CLASSES
+
+if TYPE_CHECKING:
+    from hlserve.engine.counters import EngineStats
+    from hlserve.engine.spec_decode import SpecStats
 
 PREFIX = "hlserve:"
 # every family whose name and meaning are vLLM's is also exposed under vLLM's prefix, so
@@ -128,21 +132,18 @@ class ServerMetrics:
         # children by class, resolved once (labels() takes a lock and a dict lookup)
         self.c = {cls: _ClassMetrics(self, cls) for cls in REQUEST_CLASSES}
 
-    def publish_sessions(self, engine: Any) -> None:
-        """The session-retention gauges from an engine (its KV manager and sessions)."""
-        kv, sessions = getattr(engine, "kv", None), getattr(engine, "sessions", None)
-        if kv is None or sessions is None:
-            return
-        values = {"retained_pages": kv.num_retained, "ttl_hits": kv.retained_hits,
-                  "ttl_expiries": kv.retained_expired, "retained_evicted": kv.retained_evicted,
-                  "reprefilled_tokens": sessions.stats.reprefilled_tokens}
+    def publish_sessions(self, stats: EngineStats) -> None:
+        """The session-retention gauges from the engine's stats (``Engine.stats``)."""
+        values = {"retained_pages": stats.retained_pages, "ttl_hits": stats.retained_hits,
+                  "ttl_expiries": stats.retained_expired,
+                  "retained_evicted": stats.retained_evicted,
+                  "reprefilled_tokens": stats.reprefilled_tokens}
         for name, value in values.items():
             self.sessions[name].labels(self.model_name).set(value)
 
-    def publish_spec(self, engine: Any) -> None:
-        """Speculative decoding's counters from the engine's running totals (what grew since
-        the last call); nothing when speculation is off."""
-        stats = getattr(engine, "spec_stats", None)
+    def publish_spec(self, stats: SpecStats | None) -> None:
+        """Speculative decoding's counters from the engine's running totals
+        (``Engine.spec_stats``: what grew since the last call); nothing when it is off."""
         if stats is None:
             return
         for name in SPEC_COUNTERS:
