@@ -32,7 +32,7 @@ import numpy as np
 
 from hlserve.driver.closed_loop import Loop, LoopResult, run_closed_loop
 from hlserve.driver.workloads import BLOCK, MooncakeTrace, TraceRequest
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 from hlserve.sim.build import SimOptions, build_sim_engine
 from hlserve.sim.cost import CostModel, IterationShape
 from hlserve.sim.hardware import Hardware, get_hardware

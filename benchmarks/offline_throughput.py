@@ -97,7 +97,7 @@ def main() -> None:
         model_dir = Path("models") / f"qwen2-{args.size}-{args.dtype}"
         if not (model_dir / "config.json").exists():
             make_tiny_model(model_dir, arch="qwen2", size=args.size, dtype=args.dtype)
-    from hlserve.models.config import ModelConfig
+    from hlserve.models.model_config import ModelConfig
 
     vocab = min(ModelConfig.from_dir(model_dir).vocab_size, 4096)
     prompts = make_prompts(args.num_prompts, *args.input_len, vocab, args.seed)

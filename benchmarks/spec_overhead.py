@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from hlserve.engine.args import make_config
-from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import Engine, VirtualClock
 from hlserve.engine.speculation import NgramSpeculator, Speculator, ngram_propose
 from hlserve.request import SamplingParams
 from hlserve.sim.build import device_info

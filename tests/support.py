@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 from hlserve.engine.batch import Batch, Runner, StepResult
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 
 VOCAB = 8
 

@@ -13,8 +13,8 @@ import random
 import threading
 
 from hlserve.config import EngineConfig
-from hlserve.engine.engine import Engine
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.engine.policies.admission import Admit
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import SamplingParams

@@ -6,8 +6,8 @@ import pytest
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, StepResult
-from hlserve.engine.engine import Engine
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.errors import EngineDeadError
 from hlserve.request import SamplingParams
 from support import HistoryRunner

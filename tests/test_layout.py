@@ -23,7 +23,7 @@ MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
 # the one place an Engine is constructed, and the one function of that name
 ENGINE_FACTORY = "hlserve.engine.factory"
-ENGINE_MODULE = "hlserve.engine.engine"
+ENGINE_MODULE = "hlserve.engine.llm_engine"
 # engine/ is below everything that drives it and above what it drives only through
 # engine/batch.py's Runner interface, which runner/ and sim/ implement
 ENGINE_MAY_NOT_IMPORT = ("runner", "sim", "server", "study", "bench", "driver", "cli", "llm",
@@ -327,7 +327,7 @@ def test_no_getattr_around_the_engine_outside_it() -> None:
 
 def engine_class_names(mod: str) -> tuple[set[str], set[str]]:
     """(names bound to the Engine class, names bound to its module) in ``mod``, however
-    imported (``from ... import Engine as E``, ``import hlserve.engine.engine as ee``)."""
+    imported (``from ... import Engine as E``, ``import hlserve.engine.llm_engine as ee``)."""
     classes, modules = set(), set()
     if mod == ENGINE_MODULE:
         classes.add("Engine")
@@ -385,9 +385,28 @@ def test_every_module_opens_with_a_docstring(mod: str) -> None:
 def test_the_checks_see_what_they_check() -> None:
     """The rules above cannot pass by reading nothing: the walk finds the package's modules
     and the edges it is known to have."""
-    assert {"hlserve.engine.engine", "hlserve.runner.torch_runner", "hlserve.cli"} <= set(MODULES)
+    assert {"hlserve.engine.llm_engine", "hlserve.runner.torch_runner", "hlserve.cli"} <= set(MODULES)
     assert "hlserve.engine.batch" in imports_of("hlserve.runner.torch_runner")
-    assert "hlserve.engine.scheduler" in imports_of("hlserve.engine.engine")
+    assert "hlserve.engine.scheduler" in imports_of("hlserve.engine.llm_engine")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     # an import inside a function is an edge of the file graph (cmd_study imports lazily)
     assert "hlserve.study.study_report" in module_graph()["hlserve.cli.simulate"]
+
+
+def same_named_modules(modules: set[str]) -> dict[str, list[str]]:
+    """Module names used twice: two files of one stem, or a file named like a package
+    (``engine/llm_engine.py`` under ``engine/``), anywhere in the package."""
+    by_name: dict[str, list[str]] = {}
+    for mod in modules:
+        if mod != "hlserve":
+            by_name.setdefault(mod.rsplit(".", 1)[-1], []).append(mod)
+    return {name: sorted(mods) for name, mods in by_name.items() if len(mods) > 1}
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A name says one thing: ``errors`` or ``config`` twice sends a reader to the wrong file."""
+    found = same_named_modules(set(MODULES))
+    assert not found, "modules sharing a name:\n" + "\n".join(
+        f"{name}: {', '.join(mods)}" for name, mods in sorted(found.items()))
+    assert same_named_modules({"hlserve.a.errors", "hlserve.errors", "hlserve.b.c"}) == {
+        "errors": ["hlserve.a.errors", "hlserve.errors"]}

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import random
 
-from hlserve.engine.engine import VirtualClock
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import VirtualClock
 from hlserve.engine.policies.caps import INTERACTIVE_DECODING, INTERACTIVE_WAITING, NO_INTERACTIVE
 from hlserve.integrations.plugin_policy import (
     PluginPolicy,

@@ -11,9 +11,9 @@ import pytest
 from hlserve import LLM
 from hlserve.config import EngineConfig
 from hlserve.engine.args import parse_engine_args
-from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.llm_engine import Engine, VirtualClock
 from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.policies.order import ProgramOrder
 from hlserve.engine.scheduler import Scheduler

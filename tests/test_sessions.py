@@ -12,9 +12,9 @@ import pytest
 
 from hlserve.config import EngineConfig
 from hlserve.engine.args import parse_engine_args
-from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.llm_engine import Engine, VirtualClock
 from hlserve.engine.sessions import Sessions, session_key
 from hlserve.request import SamplingParams
 from kv_support import release_cached

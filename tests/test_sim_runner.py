@@ -7,9 +7,9 @@ import pytest
 from hlserve.config import EngineConfig
 from hlserve.driver.closed_loop import run_agent_sessions
 from hlserve.driver.workloads import AgentWorkload
-from hlserve.engine.engine import VirtualClock
 from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.llm_engine import VirtualClock
 from hlserve.engine.scheduler import Scheduler
 from hlserve.request import SamplingParams
 from hlserve.sim.build import SimOptions, build_sim_engine

@@ -5,9 +5,9 @@ HTTP are in tests/test_server.py."""
 from __future__ import annotations
 
 from hlserve.config import EngineConfig
-from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.factory import build_engine
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.llm_engine import Engine, VirtualClock
 from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.presets import DeviceInfo, resolve_options
 from hlserve.request import Request, SamplingParams

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 from hlserve.models.tiny import ARCHS, SPECIAL_TOKENS, TOKENIZER_VOCAB_SIZE, make_tiny_model
 
 transformers = pytest.importorskip("transformers")

@@ -42,7 +42,7 @@ from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.records import headline, summarize
 from hlserve.engine.args import parse_engine_args
-from hlserve.engine.engine import Engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.server.runtime.launch import ExternalServer, free_port
 
 # ---- points -------------------------------------------------------------------------------

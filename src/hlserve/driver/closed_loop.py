@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from hlserve.driver.records import RequestRecord, RunResult
-from hlserve.engine.engine import Engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.errors import InvalidRequestError
 from hlserve.request import Request, RequestOutput, SamplingParams
 

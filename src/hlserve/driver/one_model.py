@@ -9,8 +9,8 @@ from typing import Any
 
 from hlserve.driver.closed_loop import greedy
 from hlserve.engine.args import make_config
-from hlserve.engine.engine import Engine
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.models.resolve import resolve_model
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ import abc
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 from hlserve.request import Request, TokenLogprobs
 
 

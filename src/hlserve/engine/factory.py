@@ -17,8 +17,8 @@ from typing import Any
 
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Runner
-from hlserve.engine.engine import Engine
 from hlserve.engine.kv_cache import KVCacheManager
+from hlserve.engine.llm_engine import Engine
 from hlserve.engine.policies.names import check_policy_names
 from hlserve.engine.scheduler import Scheduler
 from hlserve.engine.spec_decode import SpecDecoder

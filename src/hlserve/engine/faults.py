@@ -1,7 +1,7 @@
 """How the engine survives failures: :class:`FailureStreak`, the one rule for when failures
 mean the runner is broken rather than one batch; :func:`bisect_forward`, which finds the
 sequences a failed forward fails for; and :func:`stranded_requests`, the requests a step that
-raised outside the forward left scheduled or inconsistent. ``engine/engine.py`` ends those
+raised outside the forward left scheduled or inconsistent. ``engine/llm_engine.py`` ends those
 requests with an error and keeps the rest."""
 
 from __future__ import annotations

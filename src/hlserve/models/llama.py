@@ -16,7 +16,7 @@ from torch import nn
 from hlserve.errors import ModelLoadError
 from hlserve.models import fused
 from hlserve.models.attention import AttentionMetadata, KeptRows, paged_attention, write_kv
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 from hlserve.models.packed_linear import PackedLinear
 
 

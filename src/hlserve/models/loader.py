@@ -9,8 +9,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hlserve.errors import ModelLoadError
-from hlserve.models.config import ModelConfig
 from hlserve.models.llama import CausalLM, rope_inv_freq
+from hlserve.models.model_config import ModelConfig
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -10,10 +10,10 @@ import torch
 from hlserve.config import EngineConfig
 from hlserve.engine.batch import Batch, Runner, StepResult
 from hlserve.models.attention import AttentionMetadata, KeptRows, kv_cache_shape
-from hlserve.models.config import ModelConfig
 from hlserve.models.cpu_kernels import decode_op, prefill_op, supports, supports_prefill
 from hlserve.models.llama import MLP, Attention, DecoderLayer
 from hlserve.models.loader import load_model, resolve_dtype
+from hlserve.models.model_config import ModelConfig
 from hlserve.models.packed_linear import can_prepack, can_widen, prepack_linears, widen_linears
 from hlserve.request import Request, TokenLogprobs
 from hlserve.runner.batch_meta import MetaPaths, Span, build_meta, kept_rows

@@ -32,8 +32,8 @@ from pydantic.json_schema import models_json_schema
 
 from hlserve.config import EngineConfig
 from hlserve.cpu_runtime import release_openmp_workers
-from hlserve.engine.engine import Engine
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.runner.torch_runner import TorchRunner
 from hlserve.server.openai_api.auth import AuthMiddleware, KeyTable
 from hlserve.server.openai_api.error_replies import add_exception_handlers

@@ -8,8 +8,8 @@ from typing import Any
 
 from hlserve.config import EngineConfig
 from hlserve.engine.args import make_config
-from hlserve.engine.engine import Engine, VirtualClock
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import Engine, VirtualClock
 from hlserve.engine.presets import DeviceInfo
 from hlserve.engine.speculation import Speculator
 from hlserve.sim.acceptance_profile import AcceptanceProfile, ProfileSpeculator

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from hlserve.errors import ModelLoadError
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 
 
 def _shape(arch: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int,

@@ -1,6 +1,6 @@
 """The simulated runner: the predicted time of each batch on a hardware profile, no tensors.
 
-``SimRunner`` plugs into the same :class:`~hlserve.engine.engine.Engine`, scheduler and KV
+``SimRunner`` plugs into the same :class:`~hlserve.engine.llm_engine.Engine`, scheduler and KV
 cache manager as the real runner; only ``execute`` differs. With the engine's
 ``VirtualClock`` the clock advances by each step's predicted time, so TTFT, TPOT, throughput,
 retraction and backpressure come out as they would on the simulated machine.

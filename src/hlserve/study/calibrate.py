@@ -33,7 +33,7 @@ import numpy as np
 from hlserve.config import EngineConfig
 from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.batch import Batch, Runner, ScheduledSeq, StepResult
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 from hlserve.request import Request, SamplingParams
 from hlserve.sim.cost import CostModel, IterationShape, shape_of
 from hlserve.sim.fitting import OpSamples, fit_gemm, nnls_relative
@@ -470,8 +470,8 @@ def fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None = None
 def _fidelity(model_dir: str, hw: Hardware, workload: AgentWorkload | None,
               engine_options: dict[str, Any] | None, device: str) -> dict[str, Any]:
     from hlserve.driver.closed_loop import run_agent_sessions
-    from hlserve.engine.engine import VirtualClock
     from hlserve.engine.factory import build_engine
+    from hlserve.engine.llm_engine import VirtualClock
     from hlserve.sim.sim_runner import SimRunner
 
     workload = workload or AgentWorkload(**FIDELITY_WORKLOAD)

@@ -24,8 +24,8 @@ from hlserve.driver.closed_loop import LoopResult
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.args import make_config
-from hlserve.engine.engine import VirtualClock
 from hlserve.engine.factory import build_engine
+from hlserve.engine.llm_engine import VirtualClock
 from hlserve.sim.build import SimOptions, device_info
 from hlserve.sim.hardware import get_hardware
 from hlserve.sim.sim_runner import SimRunner

@@ -25,7 +25,7 @@ from hlserve.driver.closed_loop import (
 )
 from hlserve.driver.records import RequestRecord, RunResult
 from hlserve.driver.workloads import AgentWorkload, Arrival
-from hlserve.engine.engine import Engine
+from hlserve.engine.llm_engine import Engine
 
 
 def _done(records: list[RequestRecord], session_times: list[float]) -> RunResult:

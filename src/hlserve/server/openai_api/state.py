@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from hlserve.engine.engine import Engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.server.openai_api.auth import KeyTable
 from hlserve.server.openai_api.generation_defaults import SamplingDefaults
 from hlserve.server.openai_api.response_store import ResponseStore, StoreLimits

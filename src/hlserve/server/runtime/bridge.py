@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hlserve.engine.engine import Engine
+from hlserve.engine.llm_engine import Engine
 from hlserve.errors import EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from hlserve.request import REQUEST_CLASSES, Request, RequestOutput
 from hlserve.server.runtime.events import Event, EventSink, Submission

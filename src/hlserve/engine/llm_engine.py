@@ -24,7 +24,7 @@ from hlserve.engine.scheduler import Scheduler
 from hlserve.engine.sessions import Sessions, session_key
 from hlserve.engine.spec_decode import SpecStats
 from hlserve.errors import EngineDeadError, InvalidRequestError
-from hlserve.models.config import ModelConfig
+from hlserve.models.model_config import ModelConfig
 from hlserve.request import (
     FinishReason,
     Request,
