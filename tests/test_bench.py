@@ -174,7 +174,7 @@ def test_trace_chains_over_http_wait_out_their_recorded_gaps(server, tmp_path: P
 
 
 def test_think_time_is_fixed_tool_time() -> None:
-    from hlserve.cli.main import build_parser
+    from hlserve.cli.commands import build_parser
     from hlserve.cli.measure import bench_spec
     from hlserve.driver.tool_time import ToolTime, parse_tool_time
 

@@ -176,7 +176,7 @@ def test_study_points_take_a_tool_time(tmp_path: Path) -> None:
     """``hlserve study --tool-time``: the spec is checked and written one way (zero as the
     stored points' ``0``), it is part of a point's fingerprint, and a steady-state point
     reports session completion with the tool calls in it."""
-    from hlserve.cli.main import build_parser
+    from hlserve.cli.commands import build_parser
     from hlserve.study.core import StudyPoint, StudySpec, run_point
     from hlserve.study.runs import _done
 

@@ -14,7 +14,7 @@ import pytest
 
 from hlserve.bench.sweep import parse_sizes
 from hlserve.cli import main as cli_main
-from hlserve.cli.main import build_parser
+from hlserve.cli.commands import build_parser
 from hlserve.config import EngineConfig, parse_cap
 from hlserve.engine import factory
 from hlserve.engine.args import engine_options, make_config

@@ -1,6 +1,6 @@
 """Flags and entry points of ``hlserve bench`` and ``hlserve sweep`` (docs/bench.md).
 
-``hlserve.cli.main.build_parser`` adds the two subcommands with :func:`add_bench_args` /
+``hlserve.cli.commands.build_parser`` adds the two subcommands with :func:`add_bench_args` /
 :func:`cmd_bench` and :func:`add_sweep_args` / :func:`cmd_sweep`.
 """
 
