@@ -60,10 +60,11 @@ def kernels_at(rev: str) -> object:
             (src / name).write_text(text)
     if not any(src.glob("*.so")):
         print(f"building the kernels at {rev} (about a minute) ...", flush=True)
-    return cpp_extension.load(
-        name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._flags(),
-        sources=[str(src / p.name) for p in cpu_kernels._SOURCES], extra_ldflags=["-fopenmp"],
-        build_directory=str(src), verbose=False)
+    with cpu_kernels.build_guard(src):
+        return cpp_extension.load(
+            name="hlserve_cpu_kernels_at_rev", extra_cflags=cpu_kernels._flags(),
+            sources=[str(src / p.name) for p in cpu_kernels._SOURCES],
+            extra_ldflags=["-fopenmp"], build_directory=str(src), verbose=False)
 
 
 def build_at(rev: str, kernel: str) -> Callable[..., torch.Tensor]:

@@ -37,12 +37,13 @@ are None: attention and the layer ops take the PyTorch path; the reason is logge
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -106,17 +107,41 @@ def cache_root() -> Path:
                 or Path.home() / ".cache" / "hlserve" / "kernels")
 
 
+@contextlib.contextmanager
+def build_guard(out: Path) -> Iterator[None]:
+    """Holds the build in ``out`` for this process while torch builds or loads it there.
+
+    torch guards a build directory with a file (``lock``) that a build killed midway (a
+    timeout, a stopped CI run) leaves behind, and every later load of that directory then
+    waits on it forever. An ``flock`` dies with its process: holding one on ``out``, no live
+    process of ours is building there, so a ``lock`` file found is a dead build's, removed."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                log.warning("removing a kernel build's stale lock in %s", out)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def _build() -> object:
     from torch.utils import cpp_extension
 
     out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    if not any(out.glob("*.so")):
-        log.warning("building the CPU attention kernels (once per machine, about a "
-                    "minute) into %s", out)
-    return cpp_extension.load(name="hlserve_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                              extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
-                              build_directory=str(out), verbose=False)
+    with build_guard(out):
+        if not any(out.glob("*.so")):
+            log.warning("building the CPU attention kernels (once per machine, about a "
+                        "minute) into %s", out)
+        return cpp_extension.load(name="hlserve_cpu_kernels",
+                                  sources=[str(s) for s in _SOURCES], extra_cflags=_flags(),
+                                  extra_ldflags=["-fopenmp"], build_directory=str(out),
+                                  verbose=False)
 
 
 HEAD_DIMS = (8, 16, 32, 64, 128, 256)  # the head sizes the kernel is instantiated for
