@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hlserve.config import parse_cap
+from hlserve.engine.args import cap_flag
 
 # vLLM's names (server/tools/parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
@@ -84,14 +84,6 @@ class ServerSettings:
     responses_store_max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
 
 
-def _cap_or_none(text: str) -> int | None:
-    """A positive int, or None for 'none' (and the other no-cap words)."""
-    try:
-        return parse_cap(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
 
 
@@ -157,7 +149,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_ENGINE_ITERATION_TIMEOUT_S:g}); a step whose forward "
                         "still progresses (layer by layer) is not wedged")
     g.add_argument("--request-prefill-window", dest="request_prefill_window",
-                   type=_cap_or_none, default=DEFAULT_REQUEST_PREFILL_WINDOW,
+                   type=cap_flag, default=DEFAULT_REQUEST_PREFILL_WINDOW,
                    help="a request of several prompts is handed to the engine prompt by "
                         "prompt: at most this many of its prompt tokens wait for prefill at "
                         "once, so it cannot queue ahead of the requests after it; 'none': all "
