@@ -140,6 +140,9 @@ def test_structured_text_format(client: openai.OpenAI) -> None:
     ({"truncation": "auto"}, "truncation", "not supported"),
     ({"background": True}, "background", "not supported"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning_effort", "must be one of"),
+    ({"text": {"format": "json_object"}}, "text", "must be an object"),
+    ({"text": {"format": ["json_object"]}}, "text", "must be an object"),
+    ({"text": {"format": 5}}, "text", "must be an object"),
 ])
 def test_refused(client: openai.OpenAI, fields: dict[str, Any], param: str, words: str) -> None:
     fields.setdefault("input", "hi")

@@ -251,7 +251,12 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise _refuse(f"text has keys this server does not read: {sorted(set(text))}", "text",
                       "invalid_value")
     fmt = text.get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):  # read as an object below: a string or list is the client's
+        raise _refuse(f"text.format must be an object with a type, got {type(fmt).__name__}",
+                      "text", "invalid_type")
+    if fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
