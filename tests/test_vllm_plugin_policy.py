@@ -105,14 +105,16 @@ def test_bad_options_are_errors(additional: dict, env: dict, match: str) -> None
         parse_options(additional, env)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.32.1.dev4+gabc"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.32.1.dev4+gabc", "0.33.0", "0.34.0",
+                                     "0.34.2"])
 def test_supported_vllm_versions(version: str) -> None:
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.31.9", "0.35.0", "1.0.0", "dev"])
 def test_other_vllm_versions_fail_with_the_fix(version: str) -> None:
-    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x.*found"):
+    with pytest.raises(UnsupportedVLLMError,
+                       match=r"supports vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x.*found"):
         check_vllm_version(version)
 
 

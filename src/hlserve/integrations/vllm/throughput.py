@@ -39,9 +39,16 @@ at start-up with a message saying so.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import vllm
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
 
 from hlserve.engine.policies.caps import NO_INTERACTIVE
 from hlserve.integrations.plugin_policy import (
@@ -51,20 +58,9 @@ from hlserve.integrations.plugin_policy import (
     StepPlan,
     Trace,
     VLLMCaps,
-    check_vllm_version,
     parse_options,
 )
-
-# before vLLM's internals are imported: a version whose internals moved fails here, with a
-# message that says so, not with an ImportError from deep inside vLLM
-check_vllm_version(vllm.__version__)
-
-from vllm.logger import init_logger  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from hlserve.integrations.vllm.seams import cache_read_limit
 
 __all__ = ["BlockHashPrefixOrder", "ThroughputAsyncScheduler", "ThroughputScheduler"]
 
@@ -94,13 +90,16 @@ class BlockHashPrefixOrder(PrefixCacheOrder):
         return self._pool.get_cached_block(req.block_hashes[i], self._groups)
 
     def cached_tokens(self, req: Request, step: int) -> int:
-        if not self._enabled or req.skip_reading_prefix_cache:
+        limit_tokens = cache_read_limit(req) if self._enabled else 0
+        if limit_tokens == 0:
             return 0
         depth = self._depth.get(req.request_id, 0)
         while depth > 0 and self._blocks(req, depth - 1) is None:
             depth -= 1
         # the last token is always recomputed: never count a block that ends the request
         limit = min(len(req.block_hashes), (req.num_tokens - 1) // self._bs)
+        if limit_tokens is not None:  # 0.34: a request may read only its first tokens
+            limit = min(limit, limit_tokens // self._bs)
         while depth < limit and self._blocks(req, depth) is not None:
             depth += 1
         self._depth[req.request_id] = depth
@@ -123,6 +122,8 @@ class _ThroughputMixin:
     into."""
 
     hl: PluginPolicy
+    # the step's time is measured on this clock; the harness (step_harness) gives a virtual one
+    hl_clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -182,11 +183,11 @@ class _ThroughputMixin:
             for r in plan.held:  # back in the queue for the next pass, which orders it again
                 self.waiting.add_request(r)
         record = self._hl_record(out, plan, free, len(waiting)) if self.hl_trace.enabled else None
-        self._hl_pending[id(out)] = (time.monotonic(), record)
+        self._hl_pending[id(out)] = (self.hl_clock(), record)
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
-        now = time.monotonic()
+        now = self.hl_clock()
         t0, record = self._hl_pending.pop(id(scheduler_output), (None, None))
         if t0 is not None:
             # schedule() returned at t0 and the engine core calls this once the forward is
@@ -249,7 +250,9 @@ class ThroughputScheduler(_ThroughputMixin, Scheduler):
 
 
 class ThroughputAsyncScheduler(_ThroughputMixin, AsyncScheduler):
-    """The same over vLLM's async scheduler (GPU deployments with async scheduling). Its step
-    time is measured from one schedule() to that step's output, which the next step's
-    scheduling overlaps. Not exercised by the test suite: vLLM's CPU build never schedules
-    asynchronously."""
+    """The same over vLLM's async scheduler: the class for a GPU deployment, where async
+    scheduling is vLLM's default (a plugin over the synchronous ``Scheduler`` would quietly
+    give up the overlap of scheduling with the forward). Its step time is measured from one
+    schedule() to that step's output, which the next step's scheduling overlaps. vLLM's CPU
+    build never schedules asynchronously: the suite runs this class in the harness
+    (``step_harness``, tests/test_vllm_versions.py) on each supported version."""
