@@ -77,3 +77,27 @@ def test_plugin_decides_what_hlserves_engine_does_step_by_step(version: str) -> 
         assert seen["cached_hits"] > 0 and seen["interactive"] > 0 and seen["budgets"] > 0, run
     # and the comparison can fail: the plugin with another LPM aging than the engine's
     assert not result["perturbed"]["agree"], result["perturbed"]
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_a_session_round_survives_other_traffic_and_never_blocks_an_admission(
+        version: str) -> None:
+    runs = _checks(version)["sessions"]
+    stock, plugin = runs["survive-stock"], runs["survive-plugin"]
+    # two pools' worth of other traffic went through during the tool call: stock vLLM's LRU
+    # evicted round 1; the plugin held it, and round 2 found all of round 1 that was
+    # computed (its full blocks: the last output token is never fed back)
+    assert stock["cached"] == 0, stock
+    assert plugin["cached"] == (plugin["context"] - 1) // 16 * 16, plugin
+    assert plugin["holds"]["hits"] == 1 and plugin["holds"]["evicted"] == 0, plugin
+    assert plugin["free"] + plugin["held_after"] == plugin["usable"], plugin  # balanced
+    short = runs["survive-plugin-short-ttl"]  # a TTL shorter than the tool call
+    assert short["cached"] == 0 and short["holds"]["expired"] >= 1, short
+    # held rounds fill most of the pool; a request that fits only in their blocks is
+    # admitted in the same step as on stock vLLM, with no preemption; the holds go oldest
+    # first, only as many as it needs
+    y_stock, y_plugin = runs["yield-stock"], runs["yield-plugin"]
+    assert y_plugin["held_before"] > 64 - 44, y_plugin
+    assert y_plugin["admitted_after_steps"] == y_stock["admitted_after_steps"] == 0
+    assert y_plugin["preempted"] == 0, y_plugin
+    assert 1 <= y_plugin["holds"]["evicted"] < 3 and y_plugin["left_held"] > 0, y_plugin

@@ -154,11 +154,82 @@ def decisions(seed: int, num_blocks: int = DECISION_BLOCKS,
             "finished_both": not engine.has_unfinished() and not h.has_unfinished()}
 
 
+# ---- agent sessions in the plugin ---------------------------------------------------------
+
+
+def _until_done(h: SchedulerHarness, rid: str, limit: int = 5000) -> None:
+    for _ in range(limit):
+        if rid in h.finished:
+            return
+        h.step()
+    raise RuntimeError(f"{rid} did not finish")
+
+
+def sessions_survive(plugin: bool, ttl: float = 5.0) -> dict[str, Any]:
+    """Round 1 of a session, then, during its tool call, other traffic that passes more than
+    twice the pool through it (one request at a time, each fitting beside the held round),
+    then round 2 (round 1's context and output plus a tool result)."""
+    opts = {"session_ttl": ttl} if plugin else {}
+    h = SchedulerHarness(harness_config(plugin=plugin, num_blocks=65, max_model_len=1024,
+                                        max_num_batched_tokens=1024, options=opts), step_time)
+    rng = random.Random(7)
+    context = [rng.randrange(8) for _ in range(320)]
+    h.add(StreamRequest("s-r1", context, 16, session_id="sess"))
+    _until_done(h, "s-r1")
+    for i in range(12):  # 12 x 200-token prompts: 2400 tokens through a 1024-token pool
+        h.add(StreamRequest(f"o{i}", [rng.randrange(8) for _ in range(200)], 8))
+        _until_done(h, f"o{i}")
+    round2 = context + h.outputs["s-r1"] + [rng.randrange(8) for _ in range(32)]
+    h.add(StreamRequest("s-r2", round2, 8, session_id="sess"))
+    _until_done(h, "s-r2")
+    cached = next(s.cached["s-r2"] for s in h.steps if "s-r2" in s.cached)
+    hold = getattr(h.scheduler, "hl_hold", None)
+    return {"cached": cached, "context": len(context) + 16,
+            "preempted": sum(len(s.preempted) for s in h.steps),
+            "holds": hold.stats.as_dict() if hold is not None else None,
+            "held_after": hold.held_blocks if hold is not None else 0,
+            "free": h.free_blocks(), "usable": h.usable_blocks(), "gap": h.now}
+
+
+def sessions_yield(plugin: bool) -> dict[str, Any]:
+    """Three sessions' rounds end and are held (most of the pool), then one request that
+    fits only in the blocks they hold arrives: it is admitted at once, nothing is
+    preempted, and the holds it needed are released (oldest first)."""
+    opts = {"session_ttl": 60.0} if plugin else {}
+    h = SchedulerHarness(harness_config(plugin=plugin, num_blocks=65, max_model_len=1024,
+                                        max_num_batched_tokens=1024, options=opts), step_time)
+    rng = random.Random(8)
+    for s in range(3):
+        h.add(StreamRequest(f"s{s}-r1", [rng.randrange(8) for _ in range(300)], 4,
+                            session_id=f"sess{s}"))
+        _until_done(h, f"s{s}-r1")
+    held = h.scheduler.hl_hold.held_blocks if plugin else 0
+    big = [rng.randrange(8) for _ in range(700)]  # 44 blocks with its output: > 64 - 57
+    h.add(StreamRequest("big", big, 16))
+    first = len(h.steps)
+    _until_done(h, "big")
+    admitted_at = next(s.step for s in h.steps if "big" in s.admitted) - first
+    hold = getattr(h.scheduler, "hl_hold", None)
+    return {"held_before": held, "admitted_after_steps": admitted_at,
+            "preempted": sum(len(s.preempted) for s in h.steps),
+            "holds": hold.stats.as_dict() if hold is not None else None,
+            "left_held": hold.held_blocks if hold is not None else 0}
+
+
+def sessions() -> dict[str, Any]:
+    runs = {f"{name}-{'plugin' if p else 'stock'}": f(p)
+            for name, f in (("survive", sessions_survive), ("yield", sessions_yield))
+            for p in (False, True)}
+    runs["survive-plugin-short-ttl"] = sessions_survive(True, ttl=0.02)  # < the tool call
+    return runs
+
+
 def main() -> None:
     result: dict[str, Any] = {"vllm": vllm.__version__, "complete": complete(),
                               "decisions": [decisions(s) for s in DECISION_SEEDS],
                               "perturbed": decisions(DECISION_SEEDS[0],
-                                                     vllm_options={"lpm_aging": 64.0})}
+                                                     vllm_options={"lpm_aging": 64.0}),
+                              "sessions": sessions()}
     print(json.dumps(result))
 
 

@@ -38,6 +38,7 @@ from hlserve.engine.policies.names import check_policy_names
 from hlserve.engine.policies.order import (
     AgedPrefixOrder,
     OrderPolicy,
+    ProgramOrder,
     interactive_first,
     make_order,
 )
@@ -88,7 +89,7 @@ _THROUGHPUT: dict[str, Any] = {**preset_options("hlserve", DeviceInfo("cpu")),
 # mode's, or vLLM's own (ablations). The others need what vLLM's pass does its own way or
 # does not have (a request's agent session for "program", prefill-first mixing).
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "mixing": ("two_stage", "always"), "order": ("lpm", "fcfs"),
+    "mixing": ("two_stage", "always"), "order": ("lpm", "fcfs", "program"),
     "admission": ("backpressure", "chunk"), "budget_controller": ("ema", "fixed"),
 }
 
@@ -142,6 +143,8 @@ _KNOBS: dict[str, Callable[[Any], Any]] = {
     "budget_warmup": _integer, "budget_min": _integer, "budget_max": parse_cap,
     "token_budget": parse_cap, "default_request_class": str,
     "interactive_chunk_size": parse_cap, "interactive_token_budget": parse_cap,
+    "session_ttl": _unset_or(float), "session_ttl_policy": str,
+    "program_aging_steps": _integer,
 }
 _OWN: dict[str, Callable[[Any], Any]] = {"interactive_priority": _unset_or(_integer),
                                           "trace": _unset_or(str)}
@@ -280,6 +283,9 @@ class StepPlan:
     queue: list[Any]  # what vLLM's queue holds for its pass, in order (the rest are held)
     admitted: list[Any]  # what the admission pass admits (vLLM's own rules: all the queue)
     held: list[Any]  # held out of vLLM's queue for this pass
+    # blocks the pass takes from the pool, as planned (running requests' growth and the
+    # admitted requests' chunks and unheld cached blocks); vLLM's own admission: growth only
+    blocks: int = 0
 
 
 class PluginPolicy:
@@ -290,7 +296,8 @@ class PluginPolicy:
     (remote KV, structured output not ready): left in its queue, in order."""
 
     def __init__(self, opts: PluginOptions, caps: VLLMCaps, prefix: PrefixCacheOrder,
-                 own_rules: Callable[[Any], bool] = lambda r: False) -> None:
+                 own_rules: Callable[[Any], bool] = lambda r: False,
+                 session_of: Callable[[Any], str | None] = lambda r: None) -> None:
         self.opts, self.vllm = opts, caps
         self.config = config = plugin_config(opts, caps)
         self.pool = PoolShape(caps.block_size, caps.num_blocks)
@@ -299,6 +306,8 @@ class PluginPolicy:
         self.prefix = prefix
         # the registry's order, "lpm" being the host's: LPM over vLLM's prefix cache
         self.order: OrderPolicy = make_order(config, lambda: prefix)
+        if isinstance(self.order, ProgramOrder):  # by agent session: read from vLLM's request
+            self.order.session_of = session_of
         self.admission = Admission(config, caps.max_model_len)
         self.own_rules = own_rules
         self.step = 0
@@ -322,6 +331,7 @@ class PluginPolicy:
         now = {r.request_id: r for r in waiting}
         for rid, req in self._last_waiting.items():
             if rid not in now:
+                self.order.forget(req)  # (LPM's is the prefix cache's; forgetting is idempotent)
                 self.prefix.forget(req)
                 self.admission.forget(rid)
         self._last_waiting = now
@@ -342,19 +352,23 @@ class PluginPolicy:
                           map(_uncomputed, waiting), map(_uncomputed, running))
         prefill_ok, _ = self.mixing.plan(state)
         if not prefill_ok:  # vLLM's pass runs with its prefill throttle: it admits nothing
-            return StepPlan(presence, caps, knobs, True, waiting, waiting, [], [])
+            growth = self._running_share([r for r in running if _decoding(r)],
+                                         knobs.token_budget, caps.chunk)[1]
+            return StepPlan(presence, caps, knobs, True, waiting, waiting, [], [], growth)
+        budget, growth = self._running_share(running, knobs.token_budget, caps.chunk)
         if self.config.admission == "chunk":  # vLLM's own admission: it decides
             order = self._ordered(waiting)
-            return StepPlan(presence, caps, knobs, False, order, order, order, [])
-        budget, growth = self._running_share(running, knobs.token_budget, caps.chunk)
+            return StepPlan(presence, caps, knobs, False, order, order, order, [], growth)
         if growth > free_blocks:
             # vLLM preempts in this step and then admits nothing, as hlserve's scheduler
             # admits nothing (nor orders its queue) in an iteration that retracted
-            return StepPlan(presence, caps, knobs, False, waiting, waiting, [], [])
+            return StepPlan(presence, caps, knobs, False, waiting, waiting, [], [], growth)
         order = self._ordered(waiting)
-        admitted, held = self._admit(order, running, free_blocks - growth, budget, caps.chunk)
+        admitted, held, taken = self._admit(order, running, free_blocks - growth, budget,
+                                            caps.chunk)
         # every request is admitted or held: what vLLM's queue keeps is what was admitted
-        return StepPlan(presence, caps, knobs, False, order, admitted, admitted, held)
+        return StepPlan(presence, caps, knobs, False, order, admitted, admitted, held,
+                        growth + taken)
 
     def _ordered(self, waiting: list[Any]) -> list[Any]:
         """The queue in the pass's order. Asked only in a pass that may admit, as hlserve's
@@ -378,12 +392,13 @@ class PluginPolicy:
         return budget, growth
 
     def _admit(self, order: list[Any], running: list[Any], available: int, budget: float,
-               chunk: float) -> tuple[list[Any], list[Any]]:
+               chunk: float) -> tuple[list[Any], list[Any], int]:
         """hlserve's admission pass (``AdmitPass``) on vLLM's view, with what the running
         requests left of the pool (``available``) and of the budget. Returns (admitted,
-        held)."""
+        held, blocks the admitted take)."""
         pool = self.pool
         used = pool.num_pages - available
+        taken = 0
         ap = self.admission.begin(self.step, len(running), sum(not _decoding(r) for r in running))
         admitted: list[Any] = []
         held: list[Any] = []
@@ -408,10 +423,12 @@ class PluginPolicy:
                 continue
             admitted.append(r)
             ap.admitted(c)
+            self.order.admitted(r)
             budget -= n
             available -= c.chunk_pages + c.locked_pages
             used += c.chunk_pages + c.locked_pages
-        return admitted, held
+            taken += c.chunk_pages + c.locked_pages
+        return admitted, held, taken
 
     def observe(self, elapsed: float, num_tokens: int, num_requests: int) -> None:
         """Feed a step's time to the budget controller; a step with more tokens than

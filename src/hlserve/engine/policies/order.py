@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterator
 from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 from hlserve.config import EngineConfig
@@ -114,8 +115,11 @@ class ProgramOrder(OrderPolicy):
     ``MAX_SESSIONS`` are remembered.
     """
 
-    def __init__(self, inner: OrderPolicy, aging_steps: int) -> None:
+    def __init__(self, inner: OrderPolicy, aging_steps: int,
+                 session_of: Callable[[Any], str | None] = attrgetter("session")) -> None:
         self.inner = inner
+        # a request's session: hlserve's Request.session; the vLLM plugin reads vLLM's
+        self.session_of = session_of
         self.aging_steps = aging_steps
         self.started: dict[str, None] = {}  # sessions with an admitted round, least recent first
         self._since: dict[str, int] = {}  # step each waiting request (re)entered the queue
@@ -127,11 +131,11 @@ class ProgramOrder(OrderPolicy):
         ranked = self.inner.order(waiting, step)
         if len(waiting) == 1:
             return ranked
-        limit, started = self.aging_steps, self.started
+        limit, started, session_of = self.aging_steps, self.started, self.session_of
         first: list[Request] = []
         rest: list[Request] = []
         for r in ranked:
-            if (r.session is not None and r.session in started) \
+            if ((session := session_of(r)) is not None and session in started) \
                     or step - since[r.request_id] >= limit:
                 first.append(r)
             else:
@@ -139,9 +143,9 @@ class ProgramOrder(OrderPolicy):
         return chain(first, rest)
 
     def admitted(self, req: Request) -> None:
-        if req.session is not None:
-            self.started.pop(req.session, None)
-            self.started[req.session] = None  # most recent last
+        if (session := self.session_of(req)) is not None:
+            self.started.pop(session, None)
+            self.started[session] = None  # most recent last
             if len(self.started) > MAX_SESSIONS:
                 del self.started[next(iter(self.started))]
         self.inner.admitted(req)

@@ -51,6 +51,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from hlserve.engine.policies.caps import NO_INTERACTIVE
+from hlserve.engine.sessions import Sessions
 from hlserve.integrations.plugin_policy import (
     TAG_KEY,
     PluginPolicy,
@@ -60,13 +61,16 @@ from hlserve.integrations.plugin_policy import (
     VLLMCaps,
     parse_options,
 )
-from hlserve.integrations.vllm.seams import cache_read_limit
+from hlserve.integrations.vllm.seams import cache_read_limit, session_hints, session_of
+from hlserve.integrations.vllm.session_hold import SessionHold
 
 __all__ = ["BlockHashPrefixOrder", "ThroughputAsyncScheduler", "ThroughputScheduler"]
 
 # a child of vLLM's logger: the start-up block appears in vLLM's log, in its format
 logger = init_logger("vllm.hlserve")
 _ADMISSIBLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+# a round that ended on its own (not aborted): its blocks may be held for the session
+_HOLDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class BlockHashPrefixOrder(PrefixCacheOrder):
@@ -150,7 +154,13 @@ class _ThroughputMixin:
         prefix = BlockHashPrefixOrder(
             self.kv_cache_manager.block_pool, list(range(len(self.kv_cache_config.kv_cache_groups))),
             self.hash_block_size, opts.config.lpm_aging, caps.enable_prefix_caching)
-        self.hl = PluginPolicy(opts, caps, prefix, _own_rules)
+        self.hl = PluginPolicy(opts, caps, prefix, _own_rules, session_of)
+        config = self.hl.config
+        self.hl_hold: SessionHold | None = None
+        if config.session_ttl is not None:
+            self.hl_hold = SessionHold(Sessions(config.session_ttl, config.session_ttl_policy),
+                                       self.kv_cache_manager.block_pool, caps.num_blocks)
+        self._hl_arrival: dict[str, float] = {}
         self.hl_trace = Trace(opts.trace)
         self._hl_pending: dict[int, tuple[float, dict[str, Any] | None]] = {}
         logger.info("%s", self.hl.describe())
@@ -160,9 +170,17 @@ class _ThroughputMixin:
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         waiting = list(self.waiting)
         self.hl.prune(waiting, self.requests)
+        hold = self.hl_hold
+        if hold is not None:
+            hold.expire(self.hl_clock())
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        # vLLM counts cached blocks nobody holds as free: "what can be evicted" is all of it
-        plan = self.hl.plan(waiting, list(self.running), free, free, self.kv_cache_manager.usage)
+        held = hold.held_blocks if hold is not None else 0
+        # vLLM counts cached blocks nobody holds as free: "what can be evicted" is all of it;
+        # held session blocks are planned with as free, and given back below if needed
+        usage = max(0.0, self.kv_cache_manager.usage - held / max(1, self.hl.vllm.num_blocks))
+        plan = self.hl.plan(waiting, list(self.running), free + held, free + held, usage)
+        if hold is not None and plan.blocks > free:
+            hold.make_room(plan.blocks - free, self.hl.step)
         if plan.held or (self.hl.config.order == "lpm" and len(waiting) > 1) \
                 or plan.presence != NO_INTERACTIVE:
             self._hl_requeue(plan.queue)
@@ -182,6 +200,11 @@ class _ThroughputMixin:
                 self.prefill_capacity_bound = saved_bound
             for r in plan.held:  # back in the queue for the next pass, which orders it again
                 self.waiting.add_request(r)
+        if hold is not None:
+            self._hl_admitted(out.scheduled_new_reqs)
+            if len(self._hl_arrival) > 2 * len(self.requests) + 64:  # aborted while waiting
+                self._hl_arrival = {k: v for k, v in self._hl_arrival.items()
+                                    if k in self.requests}
         record = self._hl_record(out, plan, free, len(waiting)) if self.hl_trace.enabled else None
         self._hl_pending[id(out)] = (self.hl_clock(), record)
         return out
@@ -194,6 +217,8 @@ class _ThroughputMixin:
             # done: the step's time, which is what the budget controller follows
             self.hl.observe(now - t0, scheduler_output.total_num_scheduled_tokens,
                             len(scheduler_output.num_scheduled_tokens))
+            if self.hl_hold is not None:  # the learned TTL prices a reload at this rate
+                self.hl_hold.sessions.observe(now - t0, scheduler_output.total_num_scheduled_tokens)
             if record is not None:
                 record["elapsed"] = round(now - t0, 6)
                 record["budget_after"] = round(self.hl.budget.budget, 1)
@@ -202,8 +227,50 @@ class _ThroughputMixin:
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def shutdown(self) -> None:
+        if self.hl_hold is not None:
+            logger.info("hlserve session holds: %s", self.hl_hold.stats.as_dict())
+            self.hl_hold.release_all()
         super().shutdown()
         self.hl_trace.close()
+
+    # ---- agent sessions (session_ttl) ----------------------------------------------------
+
+    def _free_request_blocks(self, request: Request) -> None:
+        """vLLM frees a finished request's blocks here; a session's round that ended on its
+        own keeps them, held until its next round, its deadline or pressure (session_hold)."""
+        hold = self.hl_hold
+        key = session_of(request) if hold is not None else None
+        if hold is None or key is None or request.status not in _HOLDABLE:
+            return super()._free_request_blocks(request)
+        try:
+            ttl = session_hints(request).get("ttl")
+        except ValueError as e:  # the request's own hint is unreadable: the option's TTL
+            logger.warning("hlserve: request %s: %s", request.request_id, e)
+            ttl = None
+        tokens = request.num_computed_tokens
+        blocks_needed = -(-tokens // self.block_size)
+        until = hold.deadline(key, self.hl_clock(), tokens, blocks_needed, ttl)
+        if until is None:
+            return super()._free_request_blocks(request)
+        hold.take(key, self.kv_cache_manager.pop_blocks_for_free(request), until,
+                  self.hl.step, tokens)
+        return None
+
+    def add_request(self, request: Request) -> None:
+        if self.hl_hold is not None and session_of(request) is not None:
+            # its arrival on the plugin's clock (vLLM's arrival_time is wall time): the end
+            # of the session's last round to this arrival is the tool gap the TTL learns
+            self._hl_arrival[request.request_id] = self.hl_clock()
+        super().add_request(request)
+
+    def _hl_admitted(self, new_requests: list[Any]) -> None:
+        assert self.hl_hold is not None
+        for data in new_requests:
+            arrival = self._hl_arrival.pop(data.req_id, None)
+            req = self.requests.get(data.req_id)
+            key = session_of(req) if req is not None else None
+            if key is not None and arrival is not None:
+                self.hl_hold.admitted(key, arrival, data.num_computed_tokens)
 
     # ---- the pieces ----------------------------------------------------------------------
 
@@ -235,6 +302,8 @@ class _ThroughputMixin:
             "free_blocks": free, "waiting": num_waiting, "running": len(self.running),
             "held": len(plan.held), "order": [self._hl_label(r) for r in plan.order[:32]],
             "preempted": len(out.preempted_req_ids or ()), "sched": sched,
+            **({"held_blocks": self.hl_hold.held_blocks, "holds": self.hl_hold.stats.as_dict()}
+               if self.hl_hold is not None else {}),
         }
 
 
