@@ -199,6 +199,7 @@ def test_chat_and_trace_workloads(server, tmp_path: Path) -> None:
                                system_prompt_len=32, progress=False, timeout=120,
                                slo=_slo(ttft_ms=1e6)))
     assert chat["completed"] == 8 and chat["failed"] == 0
+    assert chat["session_fields"] == [] and chat["session_prefix"] is None  # single-turn
     assert chat["slo_attainment"] == 1.0
     assert chat["request_goodput"] == pytest.approx(chat["request_throughput"])
     trace = find_data_dir() / "mooncake_conversation_trace.jsonl"
@@ -206,6 +207,7 @@ def test_chat_and_trace_workloads(server, tmp_path: Path) -> None:
                               trace_limit=10, length_scale=0.02, output_scale=0.02,
                               time_scale=100.0, progress=False, timeout=120))
     assert rep["completed"] + rep["trace_skipped_too_long"] == 10 and rep["failed"] == 0
+    assert rep["session_fields"] == ["session_id", "prompt_cache_key", "user"]  # its chains
     after = counters(server.url)
     sent_in = chat["total_input_tokens"] + rep["total_input_tokens"]
     probes = chat["probe"]["prompt_tokens"] + rep["probe"]["prompt_tokens"]

@@ -13,16 +13,27 @@ measurement: streamed ``/v1/completions`` with a timestamp on every chunk.
   same count (token counts and sharing structure are kept; the prefix cache then cannot hit
   the output's KV, and the result says so: ``output_ids_source``).
 - **Usage**: ``stream_options.include_usage`` asks for a last chunk with token counts;
-  without it the chunks are counted.
+  without it the chunks are counted. ``prompt_tokens_details.cached_tokens`` is recorded
+  where the server reports it.
+- **Sessions**: a request that is a round of an agent session names it in ``session_id``
+  (hlserve's field; vLLM accepts it), ``prompt_cache_key`` and ``user`` (OpenAI's), all set
+  to the same per-run name (:data:`SESSION_FIELDS`), so a server that keeps a session's KV
+  between rounds (``hlserve serve --session-ttl``) can.
 
 :meth:`BenchClient.probe` finds out which of these the server supports, with one or two
-one-token requests (their tokens are reported in the result as ``probe``).
+one-token requests (their tokens are reported in the result as ``probe``). An optional field
+that the server refuses with a 400 naming it (``return_token_ids``, a session field, as a
+strict OpenAI-style server refuses an unknown argument) is dropped from every request, and a
+note says so: a server that refuses a field cannot act on it, so the run measures what it
+would if the server ignored it, and the result shows what was sent.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +43,8 @@ import httpx
 from hlserve.driver.records import RequestRecord
 
 PROBE_PROMPT = [11, 12, 13, 14]
+# the fields that name a request's session, in hlserve's precedence (engine/sessions.py)
+SESSION_FIELDS = ("session_id", "prompt_cache_key", "user")
 
 
 @dataclass
@@ -43,6 +56,7 @@ class ServerInfo:
     probe_requests: int = 0
     probe_prompt_tokens: int = 0
     probe_output_tokens: int = 0
+    session_fields: list[str] = field(default_factory=list)  # sent with a session's requests
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -84,6 +98,15 @@ def _error_message(status: int, body: bytes | str) -> str:
         return f"HTTP {status}: {text[:300]}"
 
 
+def refused_field(message: str, fields: Sequence[str]) -> str | None:
+    """The first of ``fields`` that a 400's message names (as a whole word): the optional
+    field the server refused (OpenAI: 'Unrecognized request argument supplied: NAME')."""
+    for name in fields:
+        if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", message):
+            return name
+    return None
+
+
 class BenchClient:
     """``async with BenchClient(url, model) as c: info = await c.probe(); ...``"""
 
@@ -91,7 +114,7 @@ class BenchClient:
                  timeout: float = 3600.0, extra_body: dict[str, Any] | None = None,
                  request_class: str | None = None, tokenizer: Any = None,
                  ignore_eos: bool = True, min_tokens: bool = False,
-                 temperature: float = 0.0) -> None:
+                 temperature: float = 0.0, session_fields: Sequence[str] = ()) -> None:
         self.root = api_root(base_url)
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -107,6 +130,7 @@ class BenchClient:
         self.ignore_eos = ignore_eos
         self.min_tokens = min_tokens
         self.temperature = temperature
+        self.session_fields = list(session_fields)  # what the probe tries; it may drop some
         self.info: ServerInfo | None = None
 
     async def __aenter__(self) -> BenchClient:
@@ -117,9 +141,51 @@ class BenchClient:
 
     # ---- capabilities ---------------------------------------------------------------------
     async def probe(self, token_prompts: bool | None = None,
-                    return_token_ids: bool | None = None) -> ServerInfo:
+                    return_token_ids: bool | None = None,
+                    session: str = "hlserve-bench-probe") -> ServerInfo:
         """Model name and context length from ``/v1/models``; then what the server accepts,
-        by one-token requests (skipped for what the caller states)."""
+        by one-token requests (skipped for what the caller states). They carry the session
+        fields, named ``session``, when the client sends them."""
+        info = self.info = await self._model_card()
+        optional: dict[str, Any] = {f: session for f in self.session_fields}
+        if return_token_ids is not False:
+            optional["return_token_ids"] = True
+        refused: dict[str, str] = {}
+        if token_prompts is False:
+            info.token_prompts = False
+        else:
+            status, obj = await self._attempt(info, PROBE_PROMPT, optional, refused)
+            if status == 200:
+                info.token_prompts = True
+                choice = obj["choices"][0] if isinstance(obj, dict) else {}
+                info.return_token_ids = "return_token_ids" in optional and "token_ids" in choice
+            elif status == 400 and token_prompts is None:
+                info.token_prompts = False
+                info.notes.append(f"token-id prompts refused ({obj}); sending text")
+            else:
+                raise ProbeError(self._failed(obj, optional))
+        if not info.token_prompts:
+            if self.tokenizer is None:
+                raise ProbeError("the server does not take token-id prompts: give the model's "
+                                 "tokenizer (--tokenizer DIR) to send text")
+            status, obj = await self._attempt(info, "Hello", optional, refused)
+            if status != 200:
+                raise ProbeError(self._failed(obj, optional))
+            info.return_token_ids = ("return_token_ids" in optional
+                                     and "token_ids" in obj["choices"][0])
+        if return_token_ids is False:
+            info.return_token_ids = False
+        self._settle_sessions(info, optional, refused)
+        if not info.return_token_ids:
+            info.notes.append("the server does not return output token ids: "
+                              + ("re-encoding output text with the tokenizer"
+                                 if self.tokenizer is not None else
+                                 "sessions append placeholder ids of the output's length"))
+        return info
+
+    async def _model_card(self) -> ServerInfo:
+        """The model to request (``self.model``, else the first served) and its context
+        length, from ``/v1/models``."""
         try:
             r = await self.http.get("/v1/models")
         except httpx.HTTPError as e:
@@ -135,65 +201,57 @@ class BenchClient:
         elif names and self.model not in names:
             raise ProbeError(f"the server has no model {self.model!r}; it serves {names}")
         card = next((c for c in cards if c.get("id") == self.model), {})
-        info = ServerInfo(model=self.model, max_model_len=card.get("max_model_len"))
-        self.info = info
+        return ServerInfo(model=self.model, max_model_len=card.get("max_model_len"))
 
-        async def attempt(prompt: Any, ask_ids: bool) -> tuple[int, dict[str, Any] | str]:
-            body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
-            if ask_ids:
-                body["return_token_ids"] = True
+    async def _attempt(self, info: ServerInfo, prompt: Any, optional: dict[str, Any],
+                       refused: dict[str, str]) -> tuple[int, dict[str, Any] | str]:
+        """One probe request with the ``optional`` fields. An error that names one of them
+        drops it from ``optional`` (its message kept in ``refused``) and tries again without
+        it; any other error is returned as (status, message)."""
+        while True:
+            body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                    **optional}
             rr = await self.http.post("/v1/completions", json=body)
             info.probe_requests += 1
-            if rr.status_code != 200:
-                return rr.status_code, _error_message(rr.status_code, rr.content)
-            obj = rr.json()
-            usage = obj.get("usage") or {}
-            info.probe_prompt_tokens += usage.get("prompt_tokens", 0)
-            info.probe_output_tokens += usage.get("completion_tokens", 0)
-            return 200, obj
+            if rr.status_code == 200:
+                obj = rr.json()
+                usage = obj.get("usage") or {}
+                info.probe_prompt_tokens += usage.get("prompt_tokens", 0)
+                info.probe_output_tokens += usage.get("completion_tokens", 0)
+                return 200, obj
+            msg = _error_message(rr.status_code, rr.content)
+            name = refused_field(msg, list(optional))
+            if name is None:
+                return rr.status_code, msg
+            del optional[name]
+            refused[name] = msg
 
-        want_ids = return_token_ids is not False
-        if token_prompts is False:
-            info.token_prompts = False
-        else:
-            status, obj = await attempt(PROBE_PROMPT, want_ids)
-            if status != 200 and want_ids and "return_token_ids" in str(obj):
-                want_ids = False
-                status, obj = await attempt(PROBE_PROMPT, False)
-            if status == 200:
-                info.token_prompts = True
-                choice = obj["choices"][0] if isinstance(obj, dict) else {}
-                info.return_token_ids = want_ids and "token_ids" in choice
-            elif status == 400 and token_prompts is None:
-                info.token_prompts = False
-                info.notes.append(f"token-id prompts refused ({obj}); sending text")
-            else:
-                raise ProbeError(f"probe request failed: {obj}")
-        if not info.token_prompts:
-            if self.tokenizer is None:
-                raise ProbeError("the server does not take token-id prompts: give the model's "
-                                 "tokenizer (--tokenizer DIR) to send text")
-            status, obj = await attempt("Hello", want_ids)
-            if status != 200 and want_ids and "return_token_ids" in str(obj):
-                want_ids = False
-                status, obj = await attempt("Hello", False)
-            if status != 200:
-                raise ProbeError(f"probe request failed: {obj}")
-            info.return_token_ids = want_ids and "token_ids" in obj["choices"][0]
-        if return_token_ids is False:
-            info.return_token_ids = False
-        if not info.return_token_ids:
-            info.notes.append("the server does not return output token ids: "
-                              + ("re-encoding output text with the tokenizer"
-                                 if self.tokenizer is not None else
-                                 "sessions append placeholder ids of the output's length"))
-        return info
+    def _settle_sessions(self, info: ServerInfo, optional: dict[str, Any],
+                         refused: dict[str, str]) -> None:
+        """Keep the session fields the server took; a note names those it refused."""
+        kept = [f for f in self.session_fields if f in optional]
+        dropped = [f for f in self.session_fields if f in refused]
+        if dropped:
+            rest = (f"sessions are named by {', '.join(kept)} only" if kept else
+                    "sessions are not named on the wire (a server that keeps a session's KV "
+                    "cannot tell its rounds apart)")
+            info.notes.append(f"the server refused {', '.join(dropped)} "
+                              f"({refused[dropped[0]]}): not sent; {rest}")
+        self.session_fields = info.session_fields = kept
+
+    def _failed(self, msg: Any, optional: dict[str, Any]) -> str:
+        sent = [f for f in self.session_fields if f in optional]
+        hint = (f" (it was sent {', '.join(sent)}: a server that refuses them without naming "
+                "them needs --no-session-ids)" if sent else "")
+        return f"probe request failed: {msg}{hint}"
 
     # ---- one request --------------------------------------------------------------------
-    def body(self, prompt_ids: list[int], max_tokens: int, pin: bool = True) -> dict[str, Any]:
+    def body(self, prompt_ids: list[int], max_tokens: int, pin: bool = True,
+             session: str | None = None) -> dict[str, Any]:
         """The request's JSON; ``pin`` False: the output length is the model's (a workload
         whose replies are real text, the coding one), whatever ``ignore_eos`` / ``min_tokens``
-        say for the others."""
+        say for the others; ``session``: the agent session it is a round of, put in every
+        session field the server took (none: a request of no session)."""
         info = self.info or ServerInfo(model=self.model or "")
         prompt: Any = prompt_ids
         if not info.token_prompts:
@@ -209,14 +267,18 @@ class BenchClient:
             body["min_tokens"] = max_tokens
         if info.return_token_ids:
             body["return_token_ids"] = True
+        if session is not None:
+            body.update({f: session for f in self.session_fields})
         body.update(self.extra_body)
         return body
 
     async def complete(self, prompt_ids: list[int], max_tokens: int, rec: RequestRecord,
-                       t0: float, pin: bool = True) -> list[int] | None:
-        """Send one streamed completion; fill ``rec`` (times relative to ``t0``, a
-        ``time.perf_counter`` value). Returns the output token ids, or None on failure."""
-        body = self.body(prompt_ids, max_tokens, pin)
+                       t0: float, pin: bool = True, session: str | None = None,
+                       ) -> list[int] | None:
+        """Send one streamed completion (a round of ``session``, if given); fill ``rec``
+        (times relative to ``t0``, a ``time.perf_counter`` value). Returns the output token
+        ids, or None on failure."""
+        body = self.body(prompt_ids, max_tokens, pin, session)
         rec.expected_output_tokens = max_tokens
         if isinstance(body["prompt"], list):
             rec.prompt_tokens = len(prompt_ids)

@@ -19,6 +19,11 @@ driver shares (:mod:`hlserve.driver.records`):
 - ``trace``: open-loop replay of a Mooncake-format trace by its timestamps times
   ``--time-scale``, prompts built from its hash ids so the trace's prefix sharing holds.
 
+Requests name their session on the wire (``session_id``, ``prompt_cache_key``, ``user``, all
+``hlserve-bench-<run>-s<N>``; a trace replay's chains ``...-c<N>``): every round of a
+closed-loop session, and each replayed request of a Mooncake chain of two or more; single-turn
+chat requests name none. ``session_ids`` False (``--no-session-ids``) sends none of them.
+
 Every request is written to a JSONL file as it finishes (session, round, times, token
 counts, error); the result JSON has vLLM ``bench serve`` keys plus session and SLO keys, and
 its headline is the sessions' completion time (first round sent to last round done, tool
@@ -32,12 +37,13 @@ import asyncio
 import json
 import math
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from hlserve.bench.client import BenchClient, ServerInfo, load_tokenizer
+from hlserve.bench.client import SESSION_FIELDS, BenchClient, ServerInfo, load_tokenizer
 from hlserve.driver.coding_workload import ChatCodec, CodingWorkload
 from hlserve.driver.records import SLO, Recorder, RequestRecord, headline, summarize
 from hlserve.driver.tool_time import ToolTime
@@ -48,12 +54,14 @@ from hlserve.driver.workloads import (
     OpenRequest,
     PoissonChat,
     ScaledTrace,
+    chains,
     trace_requests,
     trace_sessions,
 )
 
 WORKLOADS = ("agent", "coding", "chat", "trace")
 CLOSED_LOOP = ("agent", "coding")
+NAMES_SESSIONS = ("agent", "coding", "trace")  # workloads whose requests can name a session
 
 
 @dataclass
@@ -99,6 +107,7 @@ class BenchSpec:
     token_prompts: bool | None = None  # None: probe
     return_token_ids: bool | None = None  # None: probe
     timeout: float = 3600.0
+    session_ids: bool = True  # a session's requests carry SESSION_FIELDS (its per-run name)
     slo: SLO = field(default_factory=SLO)
     result_file: str | None = None
     request_file: str | None = None  # per-request JSONL; default: beside result_file
@@ -116,8 +125,25 @@ def recorder(spec: BenchSpec, total: int) -> Recorder:
     return Recorder(total, path, spec.label or spec.workload, spec.progress, spec.record_ids)
 
 
-async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec: Recorder) -> None:
+def session_prefix() -> str:
+    """This run's session names begin with this: unique per run, so two runs against one
+    server (repeats, a sweep's points) never continue each other's sessions."""
+    return f"hlserve-bench-{uuid.uuid4().hex[:8]}"
+
+
+def chain_sessions(requests: list[OpenRequest], trace: MooncakeTrace, prefix: str) -> None:
+    """Name each replayed request of a chain of two or more (its index is ``session_id``)
+    after its chain: ``<prefix>-c<N>``; a request alone in its chain names none."""
+    chain_of = {i: n for n, chain in enumerate(chains(trace)) if len(chain) > 1 for i in chain}
+    for q in requests:
+        n = chain_of.get(q.session_id) if q.session_id is not None else None
+        q.session = None if n is None else f"{prefix}-c{n}"
+
+
+async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec: Recorder,
+                 prefix: str) -> None:
     async def one(session: Any) -> None:
+        name = f"{prefix}-s{session.session_id}"
         started: float | None = None
         r: RequestRecord | None = None
         while not session.done:
@@ -125,7 +151,8 @@ async def _agent(client: BenchClient, sessions: list[Any], spec: BenchSpec, rec:
             r = RequestRecord(request_id=f"s{session.session_id}-r{session.round}",
                               session_id=session.session_id, round=session.round)
             output = await client.complete(prompt, out_len, r, rec.t0,
-                                           pin=getattr(session, "ignore_eos", True))
+                                           pin=getattr(session, "ignore_eos", True),
+                                           session=name)
             if started is None:
                 started = r.start
             rec.add(r, prompt, output)
@@ -154,10 +181,12 @@ async def _open_loop(client: BenchClient, requests: list[OpenRequest], spec: Ben
         r = RequestRecord(request_id=f"q{i}", session_id=req.session_id, round=req.round,
                           scheduled_at=req.send_at)
         if sem is None:
-            output = await client.complete(req.prompt_ids, req.output_len, r, rec.t0)
+            output = await client.complete(req.prompt_ids, req.output_len, r, rec.t0,
+                                           session=req.session)
         else:
             async with sem:
-                output = await client.complete(req.prompt_ids, req.output_len, r, rec.t0)
+                output = await client.complete(req.prompt_ids, req.output_len, r, rec.t0,
+                                               session=req.session)
         rec.add(r, req.prompt_ids, output)
 
     await asyncio.gather(*(one(i, q) for i, q in enumerate(requests)))
@@ -223,14 +252,42 @@ def _scaled_trace(spec: BenchSpec) -> ScaledTrace:
     return ScaledTrace(trace, spec.length_scale, spec.output_scale)
 
 
+def open_requests(spec: BenchSpec, info: ServerInfo, prefix: str,
+                  ) -> tuple[list[OpenRequest], dict[str, Any], float]:
+    """An open-loop workload's requests (``chat``, or a ``trace`` replay whose chains name
+    their sessions), what to record of it, and its request rate."""
+    if spec.workload == "chat":
+        w = PoissonChat(rate=spec.request_rate, num_requests=spec.num_prompts,
+                        system_prompt_len=spec.system_prompt_len,
+                        prompt_len=Dist.uniform(*spec.input_len),
+                        output_len=Dist.uniform(*spec.output_len), vocab=spec.vocab,
+                        seed=spec.seed)
+        requests = [OpenRequest(a.time, a.prompt, a.max_tokens, session_id=a.key)
+                    for a in w.arrivals()]
+        return requests, {"chat_workload": {k: str(v) for k, v in asdict(w).items()}}, \
+            spec.request_rate
+    if not spec.trace:
+        raise ValueError("--workload trace needs --trace FILE")
+    scaled = _scaled_trace(spec)
+    requests, skipped = trace_requests(scaled, spec.time_scale, info.max_model_len)
+    chain_sessions(requests, scaled.trace, prefix)
+    extra = {"trace": spec.trace, "time_scale": spec.time_scale,
+             "length_scale": spec.length_scale, "trace_skipped_too_long": skipped}
+    span = requests[-1].send_at - requests[0].send_at if requests else 0.0
+    return requests, extra, len(requests) / span if span > 0 else math.inf
+
+
 async def run_async(spec: BenchSpec) -> dict[str, Any]:
     if spec.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {spec.workload!r}: {', '.join(WORKLOADS)}")
     tokenizer = load_tokenizer(spec.tokenizer)
+    prefix = session_prefix()
+    fields = SESSION_FIELDS if spec.session_ids and spec.workload in NAMES_SESSIONS else ()
     async with BenchClient(spec.base_url, spec.model, spec.api_key, spec.timeout,
                            spec.extra_body, spec.request_class, tokenizer, spec.ignore_eos,
-                           spec.min_tokens, spec.temperature) as client:
-        info = await client.probe(spec.token_prompts, spec.return_token_ids)
+                           spec.min_tokens, spec.temperature, fields) as client:
+        info = await client.probe(spec.token_prompts, spec.return_token_ids,
+                                  session=f"{prefix}-probe")
         extra: dict[str, Any] = {}
         if spec.workload in CLOSED_LOOP:
             sessions, extra = agent_sessions(spec, info)
@@ -238,31 +295,13 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
                         for s in sessions)
             rec = recorder(spec, total)
             try:
-                await _agent(client, sessions, spec, rec)
+                await _agent(client, sessions, spec, rec, prefix)
             finally:
                 rec.close()
             concurrency: int | None = len(sessions)
             rate = math.inf
         else:
-            if spec.workload == "chat":
-                w = PoissonChat(rate=spec.request_rate, num_requests=spec.num_prompts,
-                                system_prompt_len=spec.system_prompt_len,
-                                prompt_len=Dist.uniform(*spec.input_len),
-                                output_len=Dist.uniform(*spec.output_len), vocab=spec.vocab,
-                                seed=spec.seed)
-                requests = [OpenRequest(a.time, a.prompt, a.max_tokens, session_id=a.key)
-                            for a in w.arrivals()]
-                extra = {"chat_workload": {k: str(v) for k, v in asdict(w).items()}}
-                rate = spec.request_rate
-            else:
-                if not spec.trace:
-                    raise ValueError("--workload trace needs --trace FILE")
-                requests, skipped = trace_requests(_scaled_trace(spec), spec.time_scale,
-                                                   info.max_model_len)
-                extra = {"trace": spec.trace, "time_scale": spec.time_scale,
-                         "length_scale": spec.length_scale, "trace_skipped_too_long": skipped}
-                span = requests[-1].send_at - requests[0].send_at if requests else 0.0
-                rate = len(requests) / span if span > 0 else math.inf
+            requests, extra, rate = open_requests(spec, info, prefix)
             rec = recorder(spec, len(requests))
             try:
                 await _open_loop(client, requests, spec, rec)
@@ -288,6 +327,9 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
         "probe": {"requests": info.probe_requests, "prompt_tokens": info.probe_prompt_tokens,
                   "output_tokens": info.probe_output_tokens},
         "notes": info.notes,
+        # what named a session's requests: the fields sent, and the run's name prefix
+        "session_fields": info.session_fields,
+        "session_prefix": prefix if info.session_fields else None,
         "request_file": rec.path,
         **extra,
     }
@@ -302,6 +344,14 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
 def run_bench(spec: BenchSpec) -> dict[str, Any]:
     """Run one benchmark to completion (``asyncio.run``) and return the result dict."""
     return asyncio.run(run_async(spec))
+
+
+def cached(res: dict[str, Any]) -> str:
+    """``total_cached_tokens (ratio)``, or n/a where the server reported none."""
+    n, ratio = res.get("total_cached_tokens"), res.get("cached_token_ratio")
+    if n is None:
+        return "n/a"
+    return f"{n} ({ratio:.1%})" if ratio is not None else str(n)
 
 
 def format_result(res: dict[str, Any]) -> str:
@@ -320,7 +370,7 @@ def format_result(res: dict[str, Any]) -> str:
         f"{'Failed requests:':<44}{res['failed']:>20}",
         f"{'Benchmark duration (s):':<44}{f('duration'):>20}",
         f"{'Total input tokens:':<44}{res['total_input_tokens']:>20}",
-        f"{'  of which cached (server-reported):':<44}{f('total_cached_tokens', '{}'):>20}",
+        f"{'  of which cached (server-reported):':<44}{cached(res):>20}",
         f"{'Total generated tokens:':<44}{res['total_output_tokens']:>20}",
         f"{'Request throughput (req/s):':<44}{f('request_throughput'):>20}",
         f"{'Output token throughput (tok/s):':<44}{f('output_throughput'):>20}",

@@ -150,6 +150,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", type=_json_object, default={},
                    help="JSON object merged into every request body")
+    g.add_argument("--no-session-ids", dest="session_ids", action="store_false",
+                   help="send no session names. By default every round of an agent/coding "
+                        "session (and each trace replay request of a chain) carries "
+                        "session_id, prompt_cache_key and user, all set to "
+                        "hlserve-bench-<run>-s<N> (trace chains: -c<N>), so a server that "
+                        "keeps a session's KV between rounds (hlserve serve --session-ttl) "
+                        "can (OpenAI's API reads prompt_cache_key and user); chat "
+                        "requests carry none. A field the server refuses in the probe (an "
+                        "error naming it) is dropped from every request, with a note in the "
+                        "result")
     g.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
     _add_workload_args(p)
     _add_slo_args(p)

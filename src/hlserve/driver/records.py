@@ -30,7 +30,8 @@ Definitions (n = output tokens of a request):
 - ``output_throughput``  = total_output_tokens / duration
 - ``total_token_throughput`` = (total_input_tokens + total_output_tokens) / duration;
   input tokens count every prompt token, prefix-cache hits included (``total_cached_tokens``
-  says how many the server reported as cached)
+  says how many the server reported as cached; ``cached_token_ratio`` = that / the prompt
+  tokens of the requests that reported it)
 - session completion time = the session's last round finished − its first round sent, tool
   calls between its rounds included (the job's time: the headline of an agent run);
   ``session_completion_p50_s`` / ``_p90_s`` / ``_p99_s`` its percentiles (the same numbers
@@ -74,6 +75,8 @@ FORMULAS = {
     "request_throughput": "completed / duration",
     "output_throughput": "total_output_tokens / duration",
     "total_token_throughput": "(total_input_tokens + total_output_tokens) / duration",
+    "cached_token_ratio": "total_cached_tokens / prompt tokens of the requests that report "
+                          "cached tokens",
     "session_time": "a session's last round finished - its first round sent (tool calls "
                     "between its rounds included)",
     "session_completion_pXX_s": "percentiles of session_time, seconds",
@@ -251,7 +254,9 @@ def summarize(records: Iterable[RequestRecord], duration: float, slo: SLO = SLO(
     tpot = [t for r in ok if (t := r.tpot) is not None]
     itl = [g for r in ok for g in r.itls]
     e2el = [r.e2el for r in ok]
-    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    reporting = [r for r in ok if r.cached_tokens is not None]
+    cached = [r.cached_tokens for r in reporting]
+    cached_of = sum(r.prompt_tokens for r in reporting)
     res: dict[str, Any] = {
         "duration": duration,
         "completed": len(ok),
@@ -267,6 +272,7 @@ def summarize(records: Iterable[RequestRecord], duration: float, slo: SLO = SLO(
         res.update(_stats(values, name, "ms", 1e3))
     res.update({
         "total_cached_tokens": sum(cached) if cached else None,
+        "cached_token_ratio": sum(cached) / cached_of if cached_of else None,
         "token_goodput": sum(r.prompt_tokens + r.output_tokens for r in good) / dur,
         "slo_attainment": len(good) / len(ok) if ok else None,
         "slo_ttft_ms": slo.ttft_ms,

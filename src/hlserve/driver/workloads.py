@@ -372,6 +372,7 @@ class OpenRequest:
     output_len: int
     session_id: int | None = None
     round: int | None = None
+    session: str | None = None  # the session it names on the wire (a trace chain's); None: none
 
 
 @dataclass
