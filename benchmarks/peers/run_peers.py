@@ -54,7 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hlserve.bench.serve_bench import BenchSpec, format_result, run_bench
-from hlserve.cli.measure import parse_range
+from hlserve.cli.measure import parse_range, tool_time_arg
 from hlserve.driver.stats import clean, fmt_ci, mean_ci, ratio_verdict
 from hlserve.models.resolve import resolve_model
 from hlserve.server.runtime.launch import ExternalServer, free_port, stop_on_sigterm
@@ -253,6 +253,9 @@ def main() -> int:
                          "template renders it: with --model; lengths not pinned); chat: "
                          "unique prompts, no prefix reuse, --sessions clients in a closed "
                          "loop over --num-prompts prompts of --input-len tokens")
+    ap.add_argument("--tool-time", type=tool_time_arg, default=None, metavar="SPEC",
+                    help="agent/coding: each tool call's time between rounds, as hlserve "
+                         "bench's --tool-time (default: none, the next round at once)")
     ap.add_argument("--num-prompts", type=int, default=48, help="chat: prompts in all")
     ap.add_argument("--input-len", default="512:1536", help="chat: prompt tokens, LO:HI")
     ap.add_argument("--profile", type=Path, default=None,
@@ -276,7 +279,8 @@ def main() -> int:
                      task_len=args.task_len, tool_output_len=parse_range(args.tool_output_len),
                      output_len=parse_range(args.output_len), seed=args.seed, timeout=1800,
                      num_prompts=args.num_prompts, input_len=parse_range(args.input_len),
-                     max_concurrency=args.sessions if args.workload == "chat" else None)
+                     max_concurrency=args.sessions if args.workload == "chat" else None,
+                     **({"tool_time": args.tool_time} if args.tool_time is not None else {}))
     warm = replace(spec, sessions=4, rounds=1, num_prompts=4, seed=args.seed + 1000,
                    progress=False)
     if args.workload == "chat":
@@ -310,7 +314,9 @@ def main() -> int:
             with PeakRSS(srv.proc.pid) as mem:
                 run_bench(replace(warm, base_url=srv.url, label=f"{name} warm-up"))
                 cpu0 = srv.cpu_seconds()
+                # vLLM: the session also in vllm_xargs, where the plugin reads it before 0.34
                 res = run_bench(replace(spec, base_url=srv.url, label=run,
+                                        session_xargs=kind == "vllm",
                                         result_file=str(args.out / f"{run}.json")))
                 cpu1 = srv.cpu_seconds()
             res["peak_rss_gib"] = mem.peak / 2**30

@@ -114,7 +114,8 @@ class BenchClient:
                  timeout: float = 3600.0, extra_body: dict[str, Any] | None = None,
                  request_class: str | None = None, tokenizer: Any = None,
                  ignore_eos: bool = True, min_tokens: bool = False,
-                 temperature: float = 0.0, session_fields: Sequence[str] = ()) -> None:
+                 temperature: float = 0.0, session_fields: Sequence[str] = (),
+                 session_xargs: bool = False) -> None:
         self.root = api_root(base_url)
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -131,6 +132,7 @@ class BenchClient:
         self.min_tokens = min_tokens
         self.temperature = temperature
         self.session_fields = list(session_fields)  # what the probe tries; it may drop some
+        self.session_xargs = session_xargs  # also vllm_xargs.session_id (vLLM 0.32, 0.33)
         self.info: ServerInfo | None = None
 
     async def __aenter__(self) -> BenchClient:
@@ -270,6 +272,10 @@ class BenchClient:
         if session is not None:
             body.update({f: session for f in self.session_fields})
         body.update(self.extra_body)
+        if session is not None and self.session_xargs:
+            # vLLM before 0.34 passes no session field to its scheduler: the plugin reads
+            # vllm_xargs.session_id there (docs/vllm.md)
+            body["vllm_xargs"] = {**body.get("vllm_xargs", {}), "session_id": session}
         return body
 
     async def complete(self, prompt_ids: list[int], max_tokens: int, rec: RequestRecord,

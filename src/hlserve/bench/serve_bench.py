@@ -108,6 +108,7 @@ class BenchSpec:
     return_token_ids: bool | None = None  # None: probe
     timeout: float = 3600.0
     session_ids: bool = True  # a session's requests carry SESSION_FIELDS (its per-run name)
+    session_xargs: bool = False  # and vllm_xargs.session_id (the vLLM plugin before 0.34)
     slo: SLO = field(default_factory=SLO)
     result_file: str | None = None
     request_file: str | None = None  # per-request JSONL; default: beside result_file
@@ -285,7 +286,8 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
     fields = SESSION_FIELDS if spec.session_ids and spec.workload in NAMES_SESSIONS else ()
     async with BenchClient(spec.base_url, spec.model, spec.api_key, spec.timeout,
                            spec.extra_body, spec.request_class, tokenizer, spec.ignore_eos,
-                           spec.min_tokens, spec.temperature, fields) as client:
+                           spec.min_tokens, spec.temperature, fields,
+                           spec.session_xargs and bool(fields)) as client:
         info = await client.probe(spec.token_prompts, spec.return_token_ids,
                                   session=f"{prefix}-probe")
         extra: dict[str, Any] = {}

@@ -150,6 +150,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", type=_json_object, default={},
                    help="JSON object merged into every request body")
+    g.add_argument("--session-xargs", action="store_true",
+                   help="also name the session in vllm_xargs.session_id: what hlserve's vLLM "
+                        "plugin reads on vLLM 0.32 and 0.33, whose OpenAI API passes no "
+                        "session field to the scheduler (docs/vllm.md)")
     g.add_argument("--no-session-ids", dest="session_ids", action="store_false",
                    help="send no session names. By default every round of an agent/coding "
                         "session (and each trace replay request of a chain) carries "
