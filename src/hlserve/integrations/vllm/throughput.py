@@ -158,6 +158,10 @@ class _ThroughputMixin:
         config = self.hl.config
         self.hl_hold: SessionHold | None = None
         if config.session_ttl is not None:
+            if not caps.enable_prefix_caching:
+                raise ValueError("hlserve option session_ttl holds a session's blocks for its "
+                                 "next round's prefix lookup: it needs vLLM's prefix caching "
+                                 "(drop --no-enable-prefix-caching)")
             self.hl_hold = SessionHold(Sessions(config.session_ttl, config.session_ttl_policy),
                                        self.kv_cache_manager.block_pool, caps.num_blocks)
         self._hl_arrival: dict[str, float] = {}
