@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import zlib
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class Step:
 
     index: int
     mode: str  # "prefill" | "mixed" | "decode" | "idle"
-    sched: list[tuple[str, int, int]]  # (rid, first position, tokens) per scheduled request
+    sched: list[tuple[str, int, int, str]]  # (rid, first position, tokens, kind) per request
     prefill_tokens: int
     retracted: list[str]
     waiting: int
@@ -149,6 +150,12 @@ def build_scheduler(cfg: HarnessConfig, model: Path | None = None) -> Scheduler:
     s.init_pool_stats_observer()
     s.init_load_inquirer()
     s.ngram_embedding_manager = _NoNgram()
+    # where SGLang sends what it ends outside the output stream (aborts): the tokenizer's
+    # socket in a server, a list here
+    s.rust_server = None
+    s.aborts = []
+    s.ipc_channels = SimpleNamespace(send_to_tokenizer=SimpleNamespace(
+        send_output=lambda output, req: s.aborts.append((req.rid, output))))
     return s
 
 
@@ -269,14 +276,14 @@ def add_request(s: Scheduler, r: Request) -> Req:
 
 
 def _made_up_token(req: Req) -> int:
-    # deterministic per request and position, never EOS (ignore_eos anyway)
-    return 3 + (hash(req.rid) + len(req.output_ids)) % 900
+    # deterministic per request and position (not Python's salted hash), never EOS
+    return 3 + (zlib.crc32(req.rid.encode()) + len(req.output_ids)) % 900
 
 
 def tokens_cost(per_token: float = 1e-4, per_step: float = 1e-3) -> Callable[[ScheduleBatch], float]:
     """A step's time from its tokens: the default cost of the stand-in's steps."""
     def cost(batch: ScheduleBatch) -> float:
-        return per_step + per_token * int(batch.extend_num_tokens or 0 + batch.batch_size())
+        return per_step + per_token * (int(batch.extend_num_tokens or 0) + batch.batch_size())
     return cost
 
 
@@ -317,13 +324,16 @@ def _mode(batch: ScheduleBatch | None) -> str:
     return "decode"
 
 
-def _sched(batch: ScheduleBatch) -> list[tuple[str, int, int]]:
-    if batch.forward_mode.is_extend():
-        lens = list(batch.extend_lens)
-        prefill = [(r.rid, int(r.prefix_len), int(n)) for r, n in zip(batch.reqs, lens, strict=False)]
-        return prefill + [(r.rid, len(r.origin_input_ids) + len(r.output_ids) - 1, 1)
-                          for r in batch.reqs[len(lens):]]
-    return [(r.rid, len(r.origin_input_ids) + len(r.output_ids) - 1, 1) for r in batch.reqs]
+def _sched(batch: ScheduleBatch) -> list[tuple[str, int, int, str]]:
+    """(rid, first position, tokens, "prefill" | "decode") per request in the batch (a mixed
+    batch carries its decodes, ``decoding_reqs``, as one-token extends)."""
+    def decode(r: Req) -> tuple[str, int, int, str]:
+        return (r.rid, len(r.origin_input_ids) + len(r.output_ids) - 1, 1, "decode")
+    if not batch.forward_mode.is_extend():
+        return [decode(r) for r in batch.reqs]
+    decoding = {id(r) for r in batch.decoding_reqs or ()}
+    return [decode(r) if id(r) in decoding else (r.rid, int(r.prefix_len), int(n), "prefill")
+            for r, n in zip(batch.reqs, list(batch.extend_lens), strict=False)]
 
 
 def run(s: Scheduler, requests: Iterable[Request], runner: StandInRunner | None = None,
@@ -336,7 +346,8 @@ def run(s: Scheduler, requests: Iterable[Request], runner: StandInRunner | None 
     for req in reqs:
         if req.to_finish is not None:
             out.aborted[req.rid] = str(req.to_finish)
-    retracted_before = 0
+    for rid, output in s.aborts:
+        out.aborted[rid] = str(getattr(output, "finished_reason", output))
     for i in range(max_steps):
         if not s.waiting_queue and s.running_batch.is_empty() and s.last_batch is None:
             break
@@ -344,12 +355,10 @@ def run(s: Scheduler, requests: Iterable[Request], runner: StandInRunner | None 
         plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
         s.running_batch, batch = plan.running_batch, plan.batch_to_run
         sched = _sched(batch) if batch is not None else []
+        prefill = sum(n for _, _, n, kind in sched if kind == "prefill")
         elapsed = runner.run(batch) if batch is not None else 0.0
         retracted = [r.rid for r in s.waiting_queue if r.rid not in waiting_before]
-        retracted_before += len(retracted)
-        out.steps.append(Step(i, _mode(batch), sched,
-                              sum(n for _, _, n in sched) - (0 if batch is None or not batch.forward_mode.is_extend() else len(batch.decoding_reqs or ())),
-                              retracted, len(s.waiting_queue), s.running_batch.batch_size(),
+        out.steps.append(Step(i, _mode(batch), sched, prefill, retracted, len(s.waiting_queue), s.running_batch.batch_size(),
                               elapsed, s.token_to_kv_pool_allocator.available_size(),
                               s.tree_cache.evictable_size()))
         s.last_batch = batch
