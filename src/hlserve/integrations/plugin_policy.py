@@ -157,21 +157,23 @@ NOT_OPTIONS = frozenset({"PYTHON", "VENV"})
 
 
 def parse_options(additional_config: Mapping[str, Any] | None,
-                  environ: Mapping[str, str] | None = None) -> PluginOptions:
+                  environ: Mapping[str, str] | None = None,
+                  env_prefix: str = ENV_PREFIX) -> PluginOptions:
     """Options from ``HLSERVE_VLLM_<NAME>`` environment variables, then from vLLM's
     ``--additional-config '{"hlserve": {...}}'`` (which wins: it is on the command line, in
-    vLLM's own log and in its config hash). Unknown names are an error, not ignored."""
+    vLLM's own log and in its config hash). Unknown names are an error, not ignored.
+    ``env_prefix``: another host's variables (the SGLang plugin's ``HLSERVE_SGLANG_``)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for name, parse in _PARSERS.items():
-        if (raw := environ.get(ENV_PREFIX + name.upper())) is not None:
-            values[name] = _convert(name, parse, raw, f"${ENV_PREFIX}{name.upper()}")
-    unknown_env = sorted(k for k in environ if k.startswith(ENV_PREFIX)
-                         and k[len(ENV_PREFIX):].lower() not in _PARSERS
-                         and k[len(ENV_PREFIX):] not in NOT_OPTIONS)
+        if (raw := environ.get(env_prefix + name.upper())) is not None:
+            values[name] = _convert(name, parse, raw, f"${env_prefix}{name.upper()}")
+    unknown_env = sorted(k for k in environ if k.startswith(env_prefix)
+                         and k[len(env_prefix):].lower() not in _PARSERS
+                         and k[len(env_prefix):] not in NOT_OPTIONS)
     if unknown_env:
         raise ValueError(f"unknown hlserve option(s) {unknown_env}; known: "
-                         f"{', '.join(ENV_PREFIX + n.upper() for n in _PARSERS)}")
+                         f"{', '.join(env_prefix + n.upper() for n in _PARSERS)}")
     given = (additional_config or {}).get(CONFIG_KEY) or {}
     if not isinstance(given, Mapping):
         raise ValueError(f'--additional-config "{CONFIG_KEY}" must be an object of options')

@@ -1,0 +1,172 @@
+"""hlserve's SGLang plugin on SGLang 0.5.23's own scheduler, driven on the CPU.
+
+One subprocess in SGLang's environment (``.ci/sglang-env``; ``HLSERVE_SGLANG_PYTHON`` names
+its python, default ``~/.cache/hlserve/venv-sglang-0.5.23``): it runs a request stream through
+stock SGLang (``hlserve.integrations.sglang.harness``: SGLang's ``Scheduler`` methods over its
+real pools, the forward a stand-in), then loads plugins through SGLang's own discovery
+(``SGLANG_PLUGINS=hlserve``, ``load_plugins()``) and runs the same stream again, plus the
+checks that need one hook each. It prints one JSON line; each test checks one property.
+Where the environment is missing the module is skipped, and the rest of the suite runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SGLANG_PY = Path(os.environ.get("HLSERVE_SGLANG_PYTHON")
+                 or Path.home() / ".cache" / "hlserve" / "venv-sglang-0.5.23" / "bin" / "python")
+
+SCRIPT = r'''
+import json, logging, os, sys, tempfile
+logging.basicConfig(level=logging.INFO)  # SGLang's plugin loader and the caps block log at INFO
+from hlserve.integrations.sglang import harness as H
+
+def stream():
+    shared = tuple(range(100, 356))  # a 256-token system prompt the agents share
+    reqs = [H.Request(f"a{i}", shared + tuple(range(1000 + 100 * i, 1070 + 130 * i)), 24)
+            for i in range(6)]
+    return reqs + [H.Request("long", tuple(range(5000, 6500)), 16)]
+
+CFG = H.HarnessConfig(num_tokens=4096, chunked_prefill_size=256, max_prefill_tokens=2048)
+
+def go(cfg, reqs):
+    s = H.build_scheduler(cfg)
+    runner = H.StandInRunner(s)
+    if getattr(s, "hlserve", None) is not None:
+        s.hlserve.clock = lambda: runner.clock
+    res = H.run(s, reqs, runner)
+    return {"finished": res.finished, "aborted": sorted(res.aborted), "kv": H.kv_balanced(s),
+            "steps": [st.as_dict() for st in res.steps], "chunk": s.chunked_prefill_size,
+            "mixed": s.is_mixed_chunk, "delayer": s.prefill_delayer is not None,
+            "max_prefill_tokens": s.max_prefill_tokens}
+
+def lpm_order():
+    """SGLang's SchedulePolicy over 200 waiting requests: the last one's prefix is cached."""
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    s = H.build_scheduler(CFG)
+    H.run(s, [H.Request("warm", tuple(range(100, 420)), 1)])  # its prompt stays in the cache
+    for i in range(200):
+        H.add_request(s, H.Request(f"w{i}", tuple(range(9000 + i * 50, 9000 + i * 50 + 40)), 4))
+    hot = H.add_request(s, H.Request("hot", tuple(range(100, 420)) + (7, 8), 4))
+    s.policy.calc_priority(s.waiting_queue, s.running_batch)
+    return [r.rid for r in s.waiting_queue[:3]], s.waiting_queue.index(hot)
+
+queued = H.HarnessConfig(num_tokens=4096, chunked_prefill_size=256, max_queued_requests=2)
+out = {"stock": go(CFG, stream()), "stock_lpm": lpm_order(),
+       "stock_queued": go(queued, [H.Request(f"q{i}", tuple(range(i * 100, i * 100 + 64)), 8)
+                                   for i in range(5)])}
+trace = os.path.join(tempfile.mkdtemp(), "trace.jsonl")
+os.environ.update(SGLANG_PLUGINS="hlserve", HLSERVE_SGLANG_TRACE=trace,
+                  HLSERVE_SGLANG_BUDGET_WARMUP="2")
+from sglang.srt.plugins import load_plugins
+load_plugins()  # SGLang's discovery: entry point group sglang.srt.plugins, allow-list
+out["plugin"] = go(CFG, stream())
+out["plugin_lpm"] = lpm_order()
+out["plugin_queued"] = go(queued, [H.Request(f"q{i}", tuple(range(i * 100, i * 100 + 64)), 8)
+                                   for i in range(5)])
+out["trace"] = [json.loads(line) for line in open(trace)]
+from hlserve.integrations.sglang.hooks import UnsupportedSGLangError, check_sglang_version
+try:
+    check_sglang_version("0.5.22")
+    out["refused"] = None
+except UnsupportedSGLangError as e:
+    out["refused"] = str(e)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _run() -> tuple[dict[str, Any] | None, str]:
+    if not SGLANG_PY.exists():
+        return None, (f"SGLang 0.5.23's environment is missing ({SGLANG_PY}; run .ci/sglang-env "
+                      "or set HLSERVE_SGLANG_PYTHON)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "HLSERVE_SGLANG_"))}
+    r = subprocess.run([str(SGLANG_PY), "-c", SCRIPT], capture_output=True, text=True,
+                       timeout=600, env=env)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):]), r.stderr
+    raise AssertionError(f"the SGLang run failed (rc {r.returncode}): {r.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, Any], str]:
+    out, log = _run()
+    if out is None:
+        pytest.skip(log)
+    return out, log
+
+
+def _prefill_steps(run: dict[str, Any], rid: str) -> list[int]:
+    return [n for st in run["steps"] for (r, _, n, kind) in st["sched"]
+            if r == rid and kind == "prefill"]
+
+
+def test_plugin_loads_through_sglang_discovery_and_logs_its_caps(runs):
+    out, log = runs
+    assert "Loaded plugin hlserve from group sglang.srt.plugins" in log
+    assert "hlserve throughput mode on SGLang 0.5.23: caps in force" in log
+    for cap in ("chunk_size", "token_budget", "max_running_requests", "kv_pool"):
+        assert cap in log
+    stock, plugin = out["stock"], out["plugin"]
+    assert (stock["chunk"], stock["mixed"]) == (256, False)
+    assert (plugin["chunk"], plugin["mixed"], plugin["delayer"]) == (None, True, False)
+
+
+def test_same_stream_completes_with_balanced_kv_on_both(runs):
+    out, _ = runs
+    stock, plugin = out["stock"], out["plugin"]
+    assert stock["finished"] == plugin["finished"]  # same requests, same (made-up) tokens
+    assert len(stock["finished"]) == 7 and not stock["aborted"] and not plugin["aborted"]
+    for run in (stock, plugin):
+        kv = run["kv"]
+        assert kv["free"] + kv["evictable"] == kv["total"] and kv["protected"] == 0
+        assert kv["slots_free"] == kv["slots"]
+
+
+def test_greedy_prefill_replaces_the_chunk_cap(runs):
+    out, _ = runs
+    stock, plugin = out["stock"], out["plugin"]
+    assert max(st["prefill_tokens"] for st in stock["steps"]) <= 256  # SGLang's chunk cap
+    assert sum(_prefill_steps(stock, "long")) == 1500 and len(_prefill_steps(stock, "long")) > 5
+    assert _prefill_steps(plugin, "long") == [1500]  # one step
+    assert len(plugin["steps"]) < len(stock["steps"])
+
+
+def test_ema_budget_is_sglangs_prefill_budget_each_step(runs):
+    out, _ = runs
+    # the file has the three plugin runs' lines; the first run's end where steps restart
+    trace = out["trace"]
+    trace = trace[:next(i for i in range(1, len(trace)) if trace[i]["step"] == 1)]
+    assert trace and [r["step"] for r in trace] == list(range(1, len(trace) + 1))
+    assert all(r["stage"] == "mix" for r in trace)  # the pool never filled: no decode-only
+    assert trace[0]["budget"] == 4096  # the ceiling: the pool, not --max-prefill-tokens 2048
+    assert out["plugin"]["max_prefill_tokens"] == 2048  # restored after each pass
+    prefill = [r for r in trace if r["mode"] in ("prefill", "mixed")]
+    assert prefill and all(r["extend_tokens"] <= r["budget"] for r in prefill)
+
+
+def test_lpm_keeps_ranking_past_128_waiting(runs):
+    out, _ = runs
+    stock_head, stock_hot = out["stock_lpm"]
+    plugin_head, plugin_hot = out["plugin_lpm"]
+    assert stock_head[0] == "w0" and stock_hot == 200  # SGLang: FCFS past 128 waiting
+    assert plugin_head[0] == "hot" and plugin_hot == 0  # the cached prefix first
+
+
+def test_backpressure_instead_of_the_queue_limit_abort(runs):
+    out, _ = runs
+    stock, plugin = out["stock_queued"], out["plugin_queued"]
+    assert stock["aborted"] == ["q2", "q3", "q4"]  # --max-queued-requests 2: aborted
+    assert plugin["aborted"] == [] and sorted(plugin["finished"]) == [f"q{i}" for i in range(5)]
+    assert plugin["kv"]["free"] + plugin["kv"]["evictable"] == plugin["kv"]["total"]
+
+
+def test_other_sglang_versions_are_refused_by_name(runs):
+    out, _ = runs
+    assert "supports SGLang 0.5.23" in out["refused"] and "'0.5.22'" in out["refused"]
