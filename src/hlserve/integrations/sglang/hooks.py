@@ -115,7 +115,18 @@ def state_of(s: Any) -> ThroughputState | None:
 
 
 def _options() -> PluginOptions:
-    return parse_options(None, os.environ, ENV_PREFIX)
+    opts = parse_options(None, os.environ, ENV_PREFIX)
+    # the options the vLLM plugin runs and this one does not yet: refused, not ignored
+    c = opts.config
+    unsupported = {
+        "session_ttl": c.session_ttl is not None, "order": c.order not in ("lpm", "fcfs"),
+        "admission": c.admission != "backpressure",
+        "interactive_priority": opts.interactive_priority is not None,
+    }
+    if bad := [k for k, v in unsupported.items() if v]:
+        raise ValueError(f"hlserve's SGLang plugin does not run option(s) {', '.join(bad)} "
+                         "yet (docs/sglang.md): unset them")
+    return opts
 
 
 # ---- the hooks ----------------------------------------------------------------------------------
