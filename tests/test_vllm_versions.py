@@ -93,6 +93,8 @@ def test_a_session_round_survives_other_traffic_and_never_blocks_an_admission(
     assert plugin["free"] + plugin["held_after"] == plugin["usable"], plugin  # balanced
     short = runs["survive-plugin-short-ttl"]  # a TTL shorter than the tool call
     assert short["cached"] == 0 and short["holds"]["expired"] >= 1, short
+    hinted = runs["survive-plugin-short-hint"]  # the same, asked by round 1 itself
+    assert hinted["cached"] == 0 and hinted["holds"]["expired"] >= 1, hinted
     # held rounds fill most of the pool; a request that fits only in their blocks is
     # admitted in the same step as on stock vLLM, with no preemption; the holds go oldest
     # first, only as many as it needs

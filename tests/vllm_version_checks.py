@@ -165,7 +165,8 @@ def _until_done(h: SchedulerHarness, rid: str, limit: int = 5000) -> None:
     raise RuntimeError(f"{rid} did not finish")
 
 
-def sessions_survive(plugin: bool, ttl: float = 5.0) -> dict[str, Any]:
+def sessions_survive(plugin: bool, ttl: float = 5.0, hint: float | None = None
+                     ) -> dict[str, Any]:
     """Round 1 of a session, then, during its tool call, other traffic that passes more than
     twice the pool through it (one request at a time, each fitting beside the held round),
     then round 2 (round 1's context and output plus a tool result)."""
@@ -174,7 +175,7 @@ def sessions_survive(plugin: bool, ttl: float = 5.0) -> dict[str, Any]:
                                         max_num_batched_tokens=1024, options=opts), step_time)
     rng = random.Random(7)
     context = [rng.randrange(8) for _ in range(320)]
-    h.add(StreamRequest("s-r1", context, 16, session_id="sess"))
+    h.add(StreamRequest("s-r1", context, 16, session_id="sess", ttl=hint))
     _until_done(h, "s-r1")
     for i in range(12):  # 12 x 200-token prompts: 2400 tokens through a 1024-token pool
         h.add(StreamRequest(f"o{i}", [rng.randrange(8) for _ in range(200)], 8))
@@ -221,6 +222,8 @@ def sessions() -> dict[str, Any]:
             for name, f in (("survive", sessions_survive), ("yield", sessions_yield))
             for p in (False, True)}
     runs["survive-plugin-short-ttl"] = sessions_survive(True, ttl=0.02)  # < the tool call
+    # the request's own hint wins over the option (kv_hints on 0.34, else vllm_xargs)
+    runs["survive-plugin-short-hint"] = sessions_survive(True, ttl=5.0, hint=0.02)
     return runs
 
 

@@ -9,7 +9,7 @@ number. Nothing else in the plugin or the harness looks at vLLM's version.
 | ``session_of``: a request's agent session | ``vllm_xargs`` | same | ``Request.session_id`` (the OpenAI API's ``session_id``), else ``vllm_xargs`` |
 | ``session_hints``: orchestrator hints | ``vllm_xargs`` | same | ``Request.kv_hints`` (``KvHintsEnvelope``), else ``vllm_xargs`` |
 | ``resumed_ids``: preempted requests scheduled again | ``scheduled_cached_reqs.resumed_req_ids`` | same | sent as new requests (``scheduled_new_reqs``) |
-| ``request_fields``: building a ``Request`` (the harness) | no ``session_id`` | same | ``session_id``, ``kv_hints`` |
+| ``request_fields``: building a ``Request`` (the harness) | ``vllm_xargs`` | same | ``session_id``, ``kv_hints`` |
 """
 
 from __future__ import annotations
@@ -89,13 +89,29 @@ def _seconds(v: Any, where: str) -> float:
     return float(v)
 
 
-def request_fields(session_id: str | None) -> dict[str, Any]:
-    """Keyword arguments for ``Request(...)`` that only some versions take."""
-    if session_id is None:
-        return {}
-    if "session_id" in _REQUEST_PARAMS:  # 0.34
-        return {"session_id": session_id}
-    return {}
+def request_fields(session_id: str | None, ttl: float | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A session and its TTL hint on a ``Request`` the harness builds: (keyword arguments for
+    ``Request(...)``, ``vllm_xargs`` entries), each where the version takes it: 0.34's
+    ``session_id`` and ``kv_hints``, else ``vllm_xargs``."""
+    kwargs: dict[str, Any] = {}
+    xargs: dict[str, Any] = {}
+    if session_id is not None:
+        if "session_id" in _REQUEST_PARAMS:  # 0.34
+            kwargs["session_id"] = session_id
+        else:
+            xargs[SESSION_KEY] = session_id
+    if ttl is not None:
+        if "kv_hints" in _REQUEST_PARAMS:  # 0.34
+            from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+            kwargs["kv_hints"] = KvHintsEnvelope(
+                protocol_version="1", message_id="hlserve", actions=[KvHintAction(
+                    action_id="retain", action_type=HINT_ACTION, action_version=HINT_VERSION,
+                    payload={"ttl": ttl})])
+        else:
+            xargs[TTL_KEY] = ttl
+    return kwargs, xargs
 
 
 def resumed_ids(out: Any) -> tuple[str, ...]:

@@ -57,7 +57,6 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from hlserve.integrations.vllm.seams import (
-    SESSION_KEY,
     request_fields,
     resumed_ids,
     runner_output,
@@ -106,6 +105,7 @@ class StreamRequest:
     priority: int = 0
     xargs: Mapping[str, Any] = field(default_factory=dict)  # vllm_xargs
     session_id: str | None = None
+    ttl: float | None = None  # the request's own retention hint (kv_hints or vllm_xargs)
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,8 @@ class SchedulerHarness:
     # ---- requests ------------------------------------------------------------------------
 
     def add(self, r: StreamRequest) -> Request:
-        xargs = dict(r.xargs)
-        fields = request_fields(r.session_id)
-        if r.session_id is not None and "session_id" not in fields:
-            xargs[SESSION_KEY] = r.session_id  # a version without Request.session_id
+        fields, session_xargs = request_fields(r.session_id, r.ttl)
+        xargs = {**r.xargs, **session_xargs}
         params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
                                 extra_args=xargs or None)
         req = Request(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
