@@ -156,7 +156,7 @@ def around_get_new_batch_prefill(original: Callable[..., Any], s: Any, running_b
     prefill_ok, _ = st.mixing.plan(state)
     st.decode_only = not prefill_ok
     if st.decode_only and not running_batch.is_empty():
-        from sglang.srt.managers.utils import NextBatchPlan
+        from sglang.srt.managers.schedule_batch import NextBatchPlan
         return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
     saved = s.max_prefill_tokens
     s.max_prefill_tokens = max(1, int(st.budget.budget))
