@@ -42,6 +42,13 @@ def pressure():
             + [H.Request(f"s{i}", tuple(range(40000 + 100 * i, 40032 + 100 * i)), 8)
                for i in range(40)])
 
+def backfill():
+    # the second does not fit beside the first; the small ones behind it do
+    return ([H.Request("r0", tuple(range(60000, 62000)), 32),
+             H.Request("big", tuple(range(62000, 64500)), 32)]
+            + [H.Request(f"s{i}", tuple(range(65000 + 100 * i, 65100 + 100 * i)), 8)
+               for i in range(4)])
+
 def many():
     return [H.Request(f"m{i}", tuple(range(70000 + 100 * i, 70064 + 100 * i)), 2 + i % 5)
             for i in range(24)]
@@ -59,6 +66,8 @@ def spiky():
 CFG = H.HarnessConfig(num_tokens=4096, chunked_prefill_size=256, max_prefill_tokens=2048)
 PCFG = H.HarnessConfig(num_tokens=2048, max_running_requests=16, chunked_prefill_size=2048,
                        max_prefill_tokens=2048, schedule_policy="fcfs")
+BCFG = H.HarnessConfig(num_tokens=4096, chunked_prefill_size=4096, max_prefill_tokens=4096,
+                       schedule_policy="fcfs")
 ECFG = H.HarnessConfig(num_tokens=4096, max_running_requests=4, schedule_policy="fcfs")
 
 def go(cfg, reqs, cost=None):
@@ -69,11 +78,13 @@ def go(cfg, reqs, cost=None):
     if getattr(s, "hlserve", None) is not None:
         s.hlserve.clock = lambda: runner.clock
     res = H.run(s, reqs, runner)
+    plug = getattr(s, "hlserve", None)
     return {"finished": res.finished, "aborted": sorted(res.aborted), "kv": H.kv_balanced(s),
             "steps": [st.as_dict() for st in res.steps], "chunk": s.chunked_prefill_size,
             "mixed": s.is_mixed_chunk, "delayer": s.prefill_delayer is not None,
             "max_prefill_tokens": s.max_prefill_tokens,
-            "trace": [json.loads(line) for line in open(trace)] if os.path.exists(trace) else []}
+            "trace": [json.loads(line) for line in open(trace)] if os.path.exists(trace) else [],
+            "backfilled": plug.backfilled if plug else None}
 
 def lpm_order():
     """SGLang's SchedulePolicy over 200 waiting requests: the last one's prefix is cached."""
@@ -91,7 +102,8 @@ def queued_stream():
     return [H.Request(f"q{i}", tuple(range(i * 100, i * 100 + 64)), 8) for i in range(5)]
 
 out = {"stock": go(CFG, stream()), "stock_lpm": lpm_order(),
-       "stock_queued": go(queued, queued_stream()), "stock_pressure": go(PCFG, pressure())}
+       "stock_queued": go(queued, queued_stream()), "stock_pressure": go(PCFG, pressure()),
+       "stock_backfill": go(BCFG, backfill())}
 os.environ.update(SGLANG_PLUGINS="hlserve", HLSERVE_SGLANG_BUDGET_WARMUP="2")
 from sglang.srt.plugins import load_plugins
 load_plugins()  # SGLang's discovery: entry point group sglang.srt.plugins, allow-list
@@ -99,6 +111,7 @@ out["plugin"] = go(CFG, stream())
 out["plugin_lpm"] = lpm_order()
 out["plugin_queued"] = go(queued, queued_stream())
 out["plugin_pressure"] = go(PCFG, pressure())
+out["plugin_backfill"] = go(BCFG, backfill())
 out["plugin_ema"] = go(ECFG, many(), spiky())
 from hlserve.integrations.sglang.hooks import UnsupportedSGLangError, check_sglang_version
 try:
@@ -238,6 +251,28 @@ def test_ema_budget_cut_by_slow_prefill_steps_and_grown_back(runs):
     slow = [r for r in trace if r["elapsed"] > 0.04]
     assert len(slow) == 3 and all(r["mode"] in ("prefill", "mixed") for r in slow)
     assert all(r["budget_after"] < r["budget"] for r in slow)
+
+
+def test_admission_backfills_past_a_request_that_does_not_fit(runs):
+    out, _ = runs
+    stock, plugin = out["stock_backfill"], out["plugin_backfill"]
+    for run in (stock, plugin):
+        assert len(run["finished"]) == 6 and not run["aborted"] and _balanced(run)
+
+    def first_prefill(run: dict[str, Any]) -> dict[str, int]:
+        first: dict[str, int] = {}
+        for st in run["steps"]:
+            for rid, _, _, kind in st["sched"]:
+                if kind == "prefill":
+                    first.setdefault(rid, st["index"])
+        return first
+
+    s, p = first_prefill(stock), first_prefill(plugin)
+    # SGLang's PrefillAdder stops at "big": the small ones wait until r0 ends and big goes
+    assert s["r0"] == 0 and all(s[f"s{i}"] >= s["big"] > 0 for i in range(4))
+    # hlserve's pass passes over "big" and admits those behind it that fit
+    assert all(p[f"s{i}"] == 0 for i in range(4)) and p["big"] > 0
+    assert plugin["backfilled"] == 4
 
 
 def test_other_sglang_versions_are_refused_by_name(runs):
