@@ -42,6 +42,14 @@ def pressure():
             + [H.Request(f"s{i}", tuple(range(40000 + 100 * i, 40032 + 100 * i)), 8)
                for i in range(40)])
 
+def retract():
+    # three long requests and a short one; "c" joins when the short one ends (SGLang counts
+    # the long ones' output at its new-token ratio), and the pool runs out near their end
+    return ([H.Request(f"a{i}", tuple(range(80000 + 200 * i, 80128 + 200 * i)), 330,
+                       ignore_eos=False) for i in range(3)]
+            + [H.Request("b", tuple(range(81000, 81128)), 16, ignore_eos=False),
+               H.Request("c", tuple(range(82000, 82400)), 400, ignore_eos=False)])
+
 def backfill():
     # the second does not fit beside the first; the small ones behind it do
     return ([H.Request("r0", tuple(range(60000, 62000)), 32),
@@ -84,7 +92,8 @@ def go(cfg, reqs, cost=None):
             "mixed": s.is_mixed_chunk, "delayer": s.prefill_delayer is not None,
             "max_prefill_tokens": s.max_prefill_tokens,
             "trace": [json.loads(line) for line in open(trace)] if os.path.exists(trace) else [],
-            "backfilled": plug.backfilled if plug else None}
+            "backfilled": plug.backfilled if plug else None,
+            "retract_cached": plug.retract_cached if plug else None}
 
 def lpm_order():
     """SGLang's SchedulePolicy over 200 waiting requests: the last one's prefix is cached."""
@@ -103,7 +112,7 @@ def queued_stream():
 
 out = {"stock": go(CFG, stream()), "stock_lpm": lpm_order(),
        "stock_queued": go(queued, queued_stream()), "stock_pressure": go(PCFG, pressure()),
-       "stock_backfill": go(BCFG, backfill())}
+       "stock_backfill": go(BCFG, backfill()), "stock_retract": go(PCFG, retract())}
 os.environ.update(SGLANG_PLUGINS="hlserve", HLSERVE_SGLANG_BUDGET_WARMUP="2")
 from sglang.srt.plugins import load_plugins
 load_plugins()  # SGLang's discovery: entry point group sglang.srt.plugins, allow-list
@@ -112,6 +121,7 @@ out["plugin_lpm"] = lpm_order()
 out["plugin_queued"] = go(queued, queued_stream())
 out["plugin_pressure"] = go(PCFG, pressure())
 out["plugin_backfill"] = go(BCFG, backfill())
+out["plugin_retract"] = go(PCFG, retract())
 out["plugin_ema"] = go(ECFG, many(), spiky())
 from hlserve.integrations.sglang.hooks import UnsupportedSGLangError, check_sglang_version
 try:
@@ -251,6 +261,36 @@ def test_ema_budget_cut_by_slow_prefill_steps_and_grown_back(runs):
     slow = [r for r in trace if r["elapsed"] > 0.04]
     assert len(slow) == 3 and all(r["mode"] in ("prefill", "mixed") for r in slow)
     assert all(r["budget_after"] < r["budget"] for r in slow)
+
+
+def test_retracted_requests_keep_their_pages_in_the_radix_cache(runs):
+    out, _ = runs
+    stock, plugin = out["stock_retract"], out["plugin_retract"]
+    for run in (stock, plugin):
+        assert len(run["finished"]) == 5 and not run["aborted"] and _balanced(run)
+
+    def readmissions(run: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+        """(rid, tokens computed when retracted, prefix found and tokens computed again when
+        prefilled again)."""
+        found = []
+        for i, st in enumerate(run["steps"]):
+            for rid, computed in st["retracted"]:
+                prefix, n = next((p, n) for later in run["steps"][i + 1:]
+                                 for (r, p, n, kind) in later["sched"]
+                                 if r == rid and kind == "prefill")
+                found.append((rid, computed, prefix, n))
+        return found
+
+    (s_rid, s_computed, s_prefix, s_again), = readmissions(stock)
+    (p_rid, p_computed, p_prefix, p_again), = readmissions(plugin)
+    assert s_rid == p_rid == "c" and s_computed == p_computed > 400 + 256
+    # SGLang: its decoded tokens' pages were freed; only its prompt (inserted into the radix
+    # cache when its prefill ended) is found again
+    assert s_prefix == 400
+    # the plugin: its decoded tokens' pages are found too, less the tail that SGLang's
+    # eviction took for the decodes that ran until it was admitted again
+    assert 400 + 128 <= p_prefix <= p_computed and p_again < s_again / 2
+    assert plugin["retract_cached"] >= p_prefix - 400
 
 
 def test_admission_backfills_past_a_request_that_does_not_fit(runs):

@@ -24,7 +24,10 @@ What each hook changes (docs/sglang.md):
   ``--max-queued-requests`` waits instead of being aborted;
 - ``PrefillAdder.add_one_req`` (around): hlserve's admission pass (``AdmitPass``, with the
   ``backpressure`` policy and backfill): a request that does not fit sits out and those
-  behind it that fit go ahead (SGLang stops its pass at the first that does not fit).
+  behind it that fit go ahead (SGLang stops its pass at the first that does not fit);
+- ``schedule_batch.release_req`` (around), within ``ScheduleBatch.retract_decode`` (around):
+  a retracted request's computed full pages go into the radix cache before its row is freed
+  (SGLang frees them), so its recompute is a hit.
 
 The rules are ``hlserve.engine.policies``' (``TwoStage``, ``EMABudget``, the caps block);
 this module only reads SGLang's objects and writes its knobs.
@@ -106,6 +109,7 @@ class ThroughputState:
         self.admit_pass: AdmitPass | None = None
         self.pass_taken = 0  # pages the pass admitted (SGLang allocates them after it)
         self.backfilled = 0  # requests admitted past one that sat out
+        self.retract_cached = 0  # tokens of retracted requests kept in the radix cache
 
     def describe(self, s: Any) -> str:
         notes = (f"  sglang  chunked_prefill_size off (greedy prefill); prefill delayer off; "
@@ -113,7 +117,8 @@ class ThroughputState:
                  f"max_queued_requests {s.max_queued_requests} "
                  f"{'(waits, no abort)' if self.config.admission == 'backpressure' else ''}",
                  "  sglang  admission: hlserve's pass with backfill, then SGLang's PrefillAdder "
-                 "budget for each admitted")
+                 "budget for each admitted; a retracted request's computed pages kept in the "
+                 "radix cache")
         host = HostCaps(f"hlserve throughput mode on SGLang {sglang.__version__}: caps in force",
                         self.total_tokens // self.page_size, self.page_size,
                         int(s.max_req_len), "pages",
@@ -316,6 +321,66 @@ def around_add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args
     return res
 
 
+def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A retracted request's computed full pages go into the radix cache before SGLang
+    frees its row: they become evictable rather than free (SGLang's retraction loop and
+    its allocator evict them where the room is needed), and its recompute after
+    re-admission matches them. Only in ``retract_decode`` (SGLang's other callers retract
+    for a weight update, whose KV must not be reused), and only where that insert is
+    SGLang's plain one: a radix cache without mamba or sliding-window state or bigram
+    (EAGLE) keys, not in decode disaggregation (which backs the KV up to the host instead),
+    not a request being aborted or barred from the cache."""
+    req, tree = kwargs["req"], kwargs["tree_cache"]
+    st = _ACTIVE.get("state")
+    if (st is not None and _ACTIVE.get("retracting") and kwargs.get("offload_kv", True)
+            and kwargs.get("hisparse_coordinator") is None and req.to_finish is None
+            and not req.finished() and req.kv.holds_kv and not req.skip_radix_cache_insert
+            and _plain_radix(tree)):
+        from sglang.srt.runtime_context import get_disagg
+        if get_disagg().disaggregation_mode != "decode":
+            _insert_in_pieces(req, tree, st)
+    return original(*args, **kwargs)
+
+
+# at most this many radix nodes per retracted request (its pages, in pieces)
+RETRACT_PIECES = 32
+
+
+def _insert_in_pieces(req: Any, tree: Any, st: ThroughputState) -> None:
+    """release_kv_cache(checkpoint=True)'s insert (``RadixCache.checkpoint``), for a request
+    that goes on later, in pieces: each becomes a radix node of its own, so that SGLang's
+    eviction, which frees whole leaves from the tail, takes only the pages it needs. In one
+    piece, the first eviction right after the retraction (``release_req`` makes room for the
+    next decode steps, and in a full pool nothing else is evictable) would take all of the
+    decoded tokens' pages at once."""
+    req.refresh_fill_ids()
+    page = int(tree.page_size)
+    start = int(req.kv.cache_protected_len) // page * page
+    end = int(req.owned_kv_len()) // page * page
+    if end <= start:
+        return
+    step = page * max(1, -(-(end - start) // page // RETRACT_PIECES))
+    for up_to in [*range(start + step, end, step), end]:
+        tree.checkpoint(req, up_to=up_to)
+    st.retract_cached += max(0, int(req.kv.cache_protected_len) - start)
+
+
+def around_retract_decode(original: Callable[..., Any], batch: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+    """Marks the releases that ``retract_decode`` makes (the decode memory check's)."""
+    _ACTIVE["retracting"] = True
+    try:
+        return original(batch, *args, **kwargs)
+    finally:
+        _ACTIVE["retracting"] = False
+
+
+def _plain_radix(tree: Any) -> bool:
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    return (type(tree) is RadixCache and not tree.disable and not tree.supports_mamba()
+            and not getattr(tree, "is_eagle", False))
+
+
 # SchedulePolicy's hooks have no scheduler in hand: the process's one scheduler's state
 _ACTIVE: dict[str, Any] = {}
 
@@ -328,6 +393,7 @@ def _track_active(result: Any, s: Any) -> None:
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_BATCH = "sglang.srt.managers.schedule_batch"
 
 
 def register() -> None:
@@ -347,5 +413,7 @@ def register() -> None:
         (f"{_POLICY}._determine_active_policy", around_determine_active_policy, around),
         (f"{_POLICY}._sort_by_longest_prefix", around_sort_by_longest_prefix, around),
         (f"{_ADDER}.add_one_req", around_add_one_req, around),
+        (f"{_BATCH}.release_req", around_release_req, around),
+        (f"{_BATCH}.ScheduleBatch.retract_decode", around_retract_decode, around),
     ):
         HookRegistry.register(target, hook, kind)
