@@ -80,6 +80,10 @@ class Request:
     rid: str
     prompt: tuple[int, ...]
     max_new_tokens: int
+    # False: SGLang reserves only a fraction of its output (its new-token ratio), as for a
+    # request that may stop early; the stand-in never emits EOS, so such requests overcommit
+    # the pool and SGLang retracts
+    ignore_eos: bool = True
 
 
 @dataclass
@@ -90,12 +94,14 @@ class Step:
     mode: str  # "prefill" | "mixed" | "decode" | "idle"
     sched: list[tuple[str, int, int, str]]  # (rid, first position, tokens, kind) per request
     prefill_tokens: int
-    retracted: list[str]
+    retracted: list[tuple[str, int]]  # (rid, tokens whose KV it had computed) per retraction
     waiting: int
     running: int
     elapsed: float
     free_tokens: int  # allocator, after the step's output processing
     evictable_tokens: int  # radix cache
+    kv_usage: float = 0.0  # the pool's fraction live requests held when the step was decided
+    stage: str | None = None  # the plugin's two-stage switch ("mix" | "decode_only"); stock: None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -265,7 +271,7 @@ def add_request(s: Scheduler, r: Request) -> Req:
     """What ``handle_generate_request`` does for a tokenized text request: a ``Req``, its
     ``max_new_tokens`` bounded by SGLang's own rule, and SGLang's queueing (which may abort
     it: the queued-requests limit)."""
-    sp = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos)
     sp.normalize(None)
     req = Req(r.rid, "", array("q", r.prompt), sp, vocab_size=_MODEL_CONFIG["vocab_size"],
               eos_token_ids={_MODEL_CONFIG["eos_token_id"]})
@@ -352,20 +358,40 @@ def run(s: Scheduler, requests: Iterable[Request], runner: StandInRunner | None 
         if not s.waiting_queue and s.running_batch.is_empty() and s.last_batch is None:
             break
         waiting_before = {r.rid for r in s.waiting_queue}
+        usage = live_fraction(s)
+        # what each running request had computed, should SGLang retract it in this step
+        computed = {r.rid: int(r.kv.kv_committed_len)
+                    for b in (s.running_batch, s.last_batch) if b is not None for r in b.reqs}
         plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
         s.running_batch, batch = plan.running_batch, plan.batch_to_run
         sched = _sched(batch) if batch is not None else []
         prefill = sum(n for _, _, n, kind in sched if kind == "prefill")
         elapsed = runner.run(batch) if batch is not None else 0.0
-        retracted = [r.rid for r in s.waiting_queue if r.rid not in waiting_before]
-        out.steps.append(Step(i, _mode(batch), sched, prefill, retracted, len(s.waiting_queue), s.running_batch.batch_size(),
-                              elapsed, s.token_to_kv_pool_allocator.available_size(),
-                              s.tree_cache.evictable_size()))
+        retracted = [(r.rid, computed.get(r.rid, 0)) for r in s.waiting_queue
+                     if r.rid not in waiting_before]
+        out.steps.append(Step(i, _mode(batch), sched, prefill, retracted, len(s.waiting_queue),
+                              s.running_batch.batch_size(), elapsed,
+                              s.token_to_kv_pool_allocator.available_size(),
+                              s.tree_cache.evictable_size(), round(usage, 4), _stage(s)))
         s.last_batch = batch
     for req in reqs:
         if req.finished() and req.rid not in out.aborted:
             out.finished[req.rid] = list(req.output_ids)
     return out
+
+
+def live_fraction(s: Scheduler) -> float:
+    """The pool's fraction that live requests hold (neither free nor evictable cache)."""
+    free = s.token_to_kv_pool_allocator.available_size() + s.tree_cache.evictable_size()
+    return max(0, s.max_total_num_tokens - free) / s.max_total_num_tokens
+
+
+def _stage(s: Scheduler) -> str | None:
+    """The plugin's two-stage switch as the step was decided (None: no plugin)."""
+    state = getattr(s, "hlserve", None)
+    if state is None:
+        return None
+    return "decode_only" if state.decode_only else "mix"
 
 
 def kv_balanced(s: Scheduler) -> dict[str, int]:

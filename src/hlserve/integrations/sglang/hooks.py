@@ -21,7 +21,13 @@ What each hook changes (docs/sglang.md):
 - ``SchedulePolicy._determine_active_policy`` (around): LPM at any queue depth (SGLang falls
   back to FCFS past 128 waiting), ranked with hlserve's aging (``_sort_by_longest_prefix``);
 - ``Scheduler._abort_on_queued_limit`` (around): soft backpressure: a request past
-  ``--max-queued-requests`` waits instead of being aborted.
+  ``--max-queued-requests`` waits instead of being aborted;
+- ``PrefillAdder.add_one_req`` (around): hlserve's admission pass (``AdmitPass``, with the
+  ``backpressure`` policy and backfill): a request that does not fit sits out and those
+  behind it that fit go ahead (SGLang stops its pass at the first that does not fit);
+- ``schedule_batch.release_req`` (around), within ``ScheduleBatch.retract_decode`` (around):
+  a retracted request's computed full pages go into the radix cache before its row is freed
+  (SGLang frees them), so its recompute is a hit.
 
 The rules are ``hlserve.engine.policies``' (``TwoStage``, ``EMABudget``, the caps block);
 this module only reads SGLang's objects and writes its knobs.
@@ -38,6 +44,14 @@ from typing import Any
 import sglang
 
 from hlserve.config import EngineConfig
+from hlserve.engine.policies.admission import (
+    BACKFILL_MAX_SKIPS,
+    Admission,
+    Admit,
+    AdmitPass,
+    Candidate,
+    PoolShape,
+)
 from hlserve.engine.policies.budget import BudgetController, make_budget_controller
 from hlserve.engine.policies.caps import HostCaps, describe_caps
 from hlserve.engine.policies.mixing import MixingPolicy, make_mixing, mix_state
@@ -88,12 +102,23 @@ class ThroughputState:
         self._since: dict[str, int] = {}  # rid -> step it was first ranked (LPM aging)
         self._pending: tuple[float, dict[str, Any]] | None = None
         self.held_back = 0  # requests past --max-queued-requests that waited instead
+        # hlserve's admission pass over SGLang's queue (its PrefillAdder still checks each
+        # admitted request against its own budget)
+        self.admission = Admission(self.config, int(s.max_req_len))
+        self.pool = PoolShape(self.page_size, total // self.page_size)
+        self.admit_pass: AdmitPass | None = None
+        self.pass_taken = 0  # pages the pass admitted (SGLang allocates them after it)
+        self.backfilled = 0  # requests admitted past one that sat out
+        self.retract_cached = 0  # tokens of retracted requests kept in the radix cache
 
     def describe(self, s: Any) -> str:
         notes = (f"  sglang  chunked_prefill_size off (greedy prefill); prefill delayer off; "
                  f"mixed batches {'on' if s.is_mixed_chunk else 'off'}; "
                  f"max_queued_requests {s.max_queued_requests} "
-                 f"{'(waits, no abort)' if self.config.admission == 'backpressure' else ''}",)
+                 f"{'(waits, no abort)' if self.config.admission == 'backpressure' else ''}",
+                 "  sglang  admission: hlserve's pass with backfill, then SGLang's PrefillAdder "
+                 "budget for each admitted; a retracted request's computed pages kept in the "
+                 "radix cache")
         host = HostCaps(f"hlserve throughput mode on SGLang {sglang.__version__}: caps in force",
                         self.total_tokens // self.page_size, self.page_size,
                         int(s.max_req_len), "pages",
@@ -156,14 +181,20 @@ def around_get_new_batch_prefill(original: Callable[..., Any], s: Any, running_b
     prefill_ok, _ = st.mixing.plan(state)
     st.decode_only = not prefill_ok
     if st.decode_only and not running_batch.is_empty():
-        from sglang.srt.managers.utils import NextBatchPlan
+        from sglang.srt.managers.schedule_batch import NextBatchPlan
         return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
     saved = s.max_prefill_tokens
     s.max_prefill_tokens = max(1, int(st.budget.budget))
+    st.admit_pass = st.admission.begin(st.step, len(running_batch.reqs),
+                                       int(s.chunked_req is not None))
+    # a mixed step also grows each decode by a token: a page where its last one is full
+    st.pass_taken = (sum(r.kv.kv_committed_len % st.page_size == 0 for r in running_batch.reqs)
+                     if s.is_mixed_chunk else 0)
     try:
         return original(s, running_batch)
     finally:
         s.max_prefill_tokens = saved
+        st.admit_pass = None
 
 
 def around_get_next_batch_to_run(original: Callable[..., Any], s: Any, *args: Any,
@@ -231,6 +262,125 @@ def around_abort_on_queued_limit(original: Callable[..., Any], s: Any, req: Any)
     return False
 
 
+def _unheld_cached_pages(tree: Any, node: Any, page_size: int) -> int:
+    """Pages of a request's matched prefix that no running request holds: the pool counts
+    them as evictable, but admitting the request locks them."""
+    pages = 0
+    while node is not None and node is not tree.root_node:
+        if node.lock_ref == 0:
+            pages += len(node.value) // page_size
+        node = node.parent
+    return pages
+
+
+def _candidate(st: ThroughputState, adder: Any, req: Any) -> Candidate:
+    """A waiting request as hlserve's pass sees it, after SGLang matched its prefix."""
+    num_tokens = len(req.origin_input_ids) + len(req.output_ids)
+    cached = min(int(req.prefix_len), num_tokens - 1)
+    new = num_tokens - cached
+    if adder.rem_chunk_tokens is not None:
+        new = max(1, min(new, int(adder.rem_chunk_tokens)))
+    pool = st.pool
+    return Candidate(req.rid, num_tokens,
+                     max(0, req.sampling_params.max_new_tokens - len(req.output_ids)), cached,
+                     new, pool.pages_for(cached + new) - cached // pool.page_size,
+                     _unheld_cached_pages(adder.tree_cache, req.last_node, pool.page_size))
+
+
+def around_add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+    """hlserve's admission pass with backfill on SGLang's PrefillAdder: ``Admit.WAIT`` (the
+    request does not fit the pool's real headroom) passes over the request, which stays
+    queued, and the pass goes on; SGLang's own check still runs for each admitted one, and
+    a request it refuses for want of tokens is passed over the same way."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    st = _ACTIVE.get("state")
+    ap = st.admit_pass if st is not None else None
+    if ap is None:
+        return original(adder, req, *args, **kwargs)
+    c = _candidate(st, adder, req)
+    free = adder.token_to_kv_pool_allocator.available_size() + adder.tree_cache.evictable_size()
+    available = free // st.page_size - st.pass_taken
+    verdict = ap.decide(c, available, st.pool.num_pages - available, st.pool)
+    if verdict == Admit.STOP:
+        return AddReqResult.OTHER
+    if verdict != Admit.YES:  # sits out; those behind it are looked at
+        return AddReqResult.CONTINUE
+    skipped = ap.skips
+    res = original(adder, req, *args, **kwargs)
+    if res == AddReqResult.NO_TOKEN and adder.budget_state() != AddReqResult.NO_TOKEN:
+        # SGLang's budget refused this one but has room left: pass over it too
+        ap.skips += 1
+        return res if ap.skips >= BACKFILL_MAX_SKIPS else AddReqResult.CONTINUE
+    if req in adder.can_run_list or adder.new_chunked_req is req:
+        ap.admitted(c)
+        st.admission.forget(req.rid)
+        st.pass_taken += c.chunk_pages + c.locked_pages
+        st.backfilled += skipped > 0
+    return res
+
+
+def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A retracted request's computed full pages go into the radix cache before SGLang
+    frees its row: they become evictable rather than free (SGLang's retraction loop and
+    its allocator evict them where the room is needed), and its recompute after
+    re-admission matches them. Only in ``retract_decode`` (SGLang's other callers retract
+    for a weight update, whose KV must not be reused), and only where that insert is
+    SGLang's plain one: a radix cache without mamba or sliding-window state or bigram
+    (EAGLE) keys, not in decode disaggregation (which backs the KV up to the host instead),
+    not a request being aborted or barred from the cache."""
+    req, tree = kwargs["req"], kwargs["tree_cache"]
+    st = _ACTIVE.get("state")
+    if (st is not None and _ACTIVE.get("retracting") and kwargs.get("offload_kv", True)
+            and kwargs.get("hisparse_coordinator") is None and req.to_finish is None
+            and not req.finished() and req.kv.holds_kv and not req.skip_radix_cache_insert
+            and _plain_radix(tree)):
+        from sglang.srt.runtime_context import get_disagg
+        if get_disagg().disaggregation_mode != "decode":
+            _insert_in_pieces(req, tree, st)
+    return original(*args, **kwargs)
+
+
+# at most this many radix nodes per retracted request (its pages, in pieces)
+RETRACT_PIECES = 32
+
+
+def _insert_in_pieces(req: Any, tree: Any, st: ThroughputState) -> None:
+    """release_kv_cache(checkpoint=True)'s insert (``RadixCache.checkpoint``), for a request
+    that goes on later, in pieces: each becomes a radix node of its own, so that SGLang's
+    eviction, which frees whole leaves from the tail, takes only the pages it needs. In one
+    piece, the first eviction right after the retraction (``release_req`` makes room for the
+    next decode steps, and in a full pool nothing else is evictable) would take all of the
+    decoded tokens' pages at once."""
+    req.refresh_fill_ids()
+    page = int(tree.page_size)
+    start = int(req.kv.cache_protected_len) // page * page
+    end = int(req.owned_kv_len()) // page * page
+    if end <= start:
+        return
+    step = page * max(1, -(-(end - start) // page // RETRACT_PIECES))
+    for up_to in [*range(start + step, end, step), end]:
+        tree.checkpoint(req, up_to=up_to)
+    st.retract_cached += max(0, int(req.kv.cache_protected_len) - start)
+
+
+def around_retract_decode(original: Callable[..., Any], batch: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+    """Marks the releases that ``retract_decode`` makes (the decode memory check's)."""
+    _ACTIVE["retracting"] = True
+    try:
+        return original(batch, *args, **kwargs)
+    finally:
+        _ACTIVE["retracting"] = False
+
+
+def _plain_radix(tree: Any) -> bool:
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    return (type(tree) is RadixCache and not tree.disable and not tree.supports_mamba()
+            and not getattr(tree, "is_eagle", False))
+
+
 # SchedulePolicy's hooks have no scheduler in hand: the process's one scheduler's state
 _ACTIVE: dict[str, Any] = {}
 
@@ -242,6 +392,8 @@ def _track_active(result: Any, s: Any) -> None:
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_BATCH = "sglang.srt.managers.schedule_batch"
 
 
 def register() -> None:
@@ -260,5 +412,8 @@ def register() -> None:
         (f"{_SCHED}._abort_on_queued_limit", around_abort_on_queued_limit, around),
         (f"{_POLICY}._determine_active_policy", around_determine_active_policy, around),
         (f"{_POLICY}._sort_by_longest_prefix", around_sort_by_longest_prefix, around),
+        (f"{_ADDER}.add_one_req", around_add_one_req, around),
+        (f"{_BATCH}.release_req", around_release_req, around),
+        (f"{_BATCH}.ScheduleBatch.retract_decode", around_retract_decode, around),
     ):
         HookRegistry.register(target, hook, kind)
