@@ -138,6 +138,8 @@ def _run() -> tuple[dict[str, Any] | None, str]:
         return None, (f"SGLang 0.5.23's environment is missing ({SGLANG_PY}; run .ci/sglang-env "
                       "or set HLSERVE_SGLANG_PYTHON)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "HLSERVE_SGLANG_"))}
+    # this checkout's hlserve, whatever checkout the environment was built from
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
     r = subprocess.run([str(SGLANG_PY), "-c", SCRIPT], capture_output=True, text=True,
                        timeout=600, env=env)
     for line in r.stdout.splitlines():
