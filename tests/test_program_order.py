@@ -17,6 +17,7 @@ from hlserve.engine.llm_engine import Engine, VirtualClock
 from hlserve.engine.policies.lpm import LongestPrefixMatch
 from hlserve.engine.policies.order import ProgramOrder
 from hlserve.engine.scheduler import Scheduler
+from hlserve.engine.sessions import session_key
 from hlserve.request import Request, SamplingParams
 from support import HistoryRunner
 
@@ -194,7 +195,7 @@ def test_engine_aging_limit_admits_a_new_session_under_a_stream_of_next_rounds()
         k = 0
         for step in range(horizon):
             if sum(1 for r in engine.scheduler.waiting if r.session is not None
-                   and r.session == "s") < 2:
+                   and r.session == session_key("s")) < 2:
                 k += 1
                 engine.add_request([1, 2, 3, 4, 5, k % 7, 3], params(3), session_id="s")
             engine.step()

@@ -143,6 +143,28 @@ def test_structured_text_format(client: openai.OpenAI) -> None:
     ({"text": {"format": "json_object"}}, "text", "must be an object"),
     ({"text": {"format": ["json_object"]}}, "text", "must be an object"),
     ({"text": {"format": 5}}, "text", "must be an object"),
+    # OpenAI's metadata: at most 16 string pairs, keys of 64 characters, values of 512
+    ({"metadata": {"k": [0.5] * 1000}}, "metadata.k", "valid string"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 items"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512 characters"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "at most 64 characters"),
+    # identifiers: OpenAI's 64 characters
+    ({"user": "u" * 65}, "user", "at most 64 characters"),
+    ({"prompt_cache_key": "p" * 65}, "prompt_cache_key", "at most 64 characters"),
+    ({"safety_identifier": "s" * 65}, "safety_identifier", "at most 64 characters"),
+    ({"previous_response_id": "r" * 65}, "previous_response_id", "at most 64 characters"),
+    ({"input": [{"type": "function_call", "call_id": 7, "name": "add", "arguments": "{}"}]},
+     "input[0].call_id", "must be a string"),
+    ({"input": [{"type": "function_call", "call_id": {"a": 1}, "name": "add",
+                 "arguments": "{}"}]}, "input[0].call_id", "must be a string"),
+    ({"input": [{"type": "function_call", "call_id": "c" * 65, "name": "add",
+                 "arguments": "{}"}]}, "input[0].call_id", "at most 64 characters"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "n" * 65,
+                 "arguments": "{}"}]}, "input[0].name", "at most 64 characters"),
+    ({"input": [{"type": "function_call_output", "call_id": "c" * 65, "output": "3"}]},
+     "input[0].call_id", "at most 64 characters"),
+    ({"tools": [{**ADD, "name": "f" * 65}]}, "tools.0.function.name", "at most 64 characters"),
+    ({"tools": [ADD, {**ADD, "description": "another"}]}, "tools", "names must be unique"),
 ])
 def test_refused(client: openai.OpenAI, fields: dict[str, Any], param: str, words: str) -> None:
     fields.setdefault("input", "hi")

@@ -7,7 +7,10 @@ another's responses; the store's count and byte bounds (LRU)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,12 @@ import httpx
 import openai
 import pytest
 
-from hlserve.server.openai_api.response_store import ResponseStore, StoreLimits, json_size
+from hlserve.server.openai_api.response_store import (
+    ResponseStore,
+    StoreLimits,
+    encode,
+    stored_size,
+)
 from support import ADD_TOOL as ADD
 from support import RESPONSES_MODEL as MODEL
 from support import responses_server
@@ -194,14 +202,15 @@ def fake_response(rid: str, text: str) -> dict[str, Any]:
 
 def test_byte_bound_and_shared_history() -> None:
     """The byte bound evicts least recently used first; a response over the bound alone is
-    not kept; a continuation's conversation is its predecessor's plus its turn, counted
-    turn by turn."""
+    not kept; a continuation's conversation is its predecessor's plus its turn, kept as
+    one chunk per turn, the earlier ones shared."""
     msg = [{"role": "user", "content": "x" * 100}]
-    one = json_size(fake_response("resp_1", "y")) + json_size(msg)
+    one = stored_size(encode(fake_response("resp_1", "y")), (encode(msg),))
     store = ResponseStore(StoreLimits(max_count=100, max_bytes=2 * one + 10))
     assert store.put("t", fake_response("resp_1", "y"), None, msg)
     assert store.put("t", fake_response("resp_2", "y"), None, msg)
     assert len(store) == 2 and store.bytes == 2 * one
+    assert store.get("t", "resp_2").response == fake_response("resp_2", "y")
     assert store.put("t", fake_response("resp_3", "y"), None, msg)
     assert store.get("t", "resp_1") is None and len(store) == 2 and store.evictions == 1
     assert not store.put("t", fake_response("resp_big", "y" * 1000), None, msg)
@@ -213,8 +222,64 @@ def test_byte_bound_and_shared_history() -> None:
     turn = [{"role": "user", "content": "more"}]
     store.put("t", fake_response("resp_b", "z"), first, turn)
     second = store.get("t", "resp_b")
-    assert second.conversation == (*msg, *turn) and second.conversation[0] is msg[0]
-    assert second.conversation_bytes == json_size(msg) + json_size(turn)
+    assert second.conversation == (*msg, *turn) and second.turns[0] is first.turns[0]
+    assert second.size == stored_size(second.body, (encode(msg), encode(turn)))
     assert store.get("u", "resp_b") is None  # another tenant
     assert ResponseStore(StoreLimits(max_count=0)).put("t", fake_response("r", "y"), None,
                                                        msg) is False
+
+
+# ---- what the store holds, measured --------------------------------------------------------
+
+SLACK = 128 * 1024  # the allocator's and the LRU's own steps: a constant
+
+
+def held_by(fill: Callable[[], ResponseStore]) -> tuple[int, ResponseStore]:
+    """The bytes that ``fill``'s store still holds once it returns (``tracemalloc``)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        store = fill()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - base, store
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_byte_bound_holds_for_what_python_keeps() -> None:
+    """12 responses, each echoing 12,000 distinct floats (a tool's schema, or before the
+    metadata limits a metadata object): what the store holds stays within
+    --responses-store-max-bytes plus a constant. Before, it charged JSON characters (about
+    9 a float) and kept Python floats (24 bytes and a list slot each): several times the
+    bound."""
+    limit = 512 * 1024
+
+    def fill() -> ResponseStore:
+        store = ResponseStore(StoreLimits(max_count=1000, max_bytes=limit))
+        for i in range(12):
+            floats = [i + k / 8 for k in range(12_000)]
+            response = {**fake_response(f"resp_{i}", "y"), "tools": [
+                {"type": "function", "name": "f", "parameters": {"enum": floats}}]}
+            assert store.put("t", response, None, [{"role": "user", "content": "hi"}])
+        return store
+
+    used, store = held_by(fill)
+    assert store.evictions > 0 and store.bytes <= limit
+    assert used <= limit + SLACK, used
+
+
+def test_small_entries_are_charged_their_overhead() -> None:
+    """1,000 tiny responses: the per-entry charge covers what each really holds (its key,
+    record and slot), so the bound holds when entries are small too."""
+
+    def fill() -> ResponseStore:
+        store = ResponseStore(StoreLimits(max_count=100_000, max_bytes=1 << 30))
+        for i in range(1_000):
+            store.put(f"tenant-{i % 7}", fake_response(f"resp_{i:032x}", "y"), None,
+                      [{"role": "user", "content": "hi"}])
+        return store
+
+    used, store = held_by(fill)
+    assert len(store) == 1_000
+    assert used <= store.bytes + SLACK // 4, (used / 1_000, store.bytes / 1_000)

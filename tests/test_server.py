@@ -770,6 +770,40 @@ def test_caps_on_stops_and_prompts(http, client) -> None:
     good_request(client)
 
 
+def test_identifiers_metadata_and_tool_names_are_bounded(http, client) -> None:
+    """The names a client sends are kept past its request (a session's state, a stored
+    response): OpenAI's 64 characters for user, prompt_cache_key, safety_identifier and
+    function names, 256 for session_id, OpenAI's metadata bounds; two functions of one name
+    are refused rather than one schema picked silently. At the bound, served."""
+    tool = {"type": "function", "function": {"name": "f" * 64, "parameters": {}}}
+    cases = [
+        ("/v1/completions", {"user": "u" * 65}, "user", "at most 64 characters"),
+        ("/v1/completions", {"prompt_cache_key": "p" * 65}, "prompt_cache_key",
+         "at most 64 characters"),
+        ("/v1/completions", {"safety_identifier": "s" * 65}, "safety_identifier",
+         "at most 64 characters"),
+        ("/v1/completions", {"session_id": "s" * 257}, "session_id", "at most 256 characters"),
+        ("/v1/chat/completions", {"session_id": "s" * 257}, "session_id",
+         "at most 256 characters"),
+        ("/v1/chat/completions", {"metadata": {"k": [0.5] * 100}}, "metadata.k", "valid string"),
+        ("/v1/chat/completions", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata",
+         "at most 16 items"),
+        ("/v1/chat/completions", {"tools": [{**tool, "function": {"name": "f" * 65}}]},
+         "tools.0.function.name", "at most 64 characters"),
+        ("/v1/chat/completions", {"tools": [tool, tool]}, "tools", "names must be unique"),
+    ]
+    for path, extra, param, message in cases:
+        base = OK_BODY if path == "/v1/completions" else CHAT_BODY
+        err = assert_error(http.post(path, json={**base, **extra}), 400, message, param)
+        assert err["code"] in ("invalid_value", "invalid_type"), err
+    at_bound = {"user": "u" * 64, "prompt_cache_key": "p" * 64, "safety_identifier": "s" * 64,
+                "session_id": "s" * 256, "metadata": {f"{i:064d}": "v" * 512 for i in range(16)},
+                "tools": [tool], "tool_choice": "none"}
+    r = http.post("/v1/chat/completions", json={**CHAT_BODY, **at_bound})
+    assert r.status_code == 200, r.text
+    good_request(client)
+
+
 def test_an_error_never_echoes_a_large_input(http, client) -> None:
     big = "y" * 60000  # under the body limit of this server
     for path, body in (("/v1/completions", {**OK_BODY, "stop": [big]}),

@@ -112,11 +112,14 @@ def test_retention_never_blocks_an_allocation_that_fits_without_it() -> None:
 
 # ---- the engine ----------------------------------------------------------------------------
 def test_session_key_precedence_and_tenant_scope() -> None:
-    assert session_key("a", "b", "c") == "a"
-    assert session_key(None, "b", "c") == "b"
-    assert session_key("", None, "c") == "c"
+    assert session_key("a", "b", "c") == session_key("a") != session_key("b")
+    assert session_key(None, "b", "c") == session_key("b")
+    assert session_key("", None, "c") == session_key("c")
     assert session_key() is None
     assert session_key("a", salt="t1") != session_key("a", salt="t2")
+    assert session_key("a", salt="t1") != session_key("a")
+    assert len(session_key("x" * 100_000)) == 32  # a digest, whatever the name's length
+    assert session_key("\ud800") != session_key("\ud801")  # JSON's lone surrogates hash too
 
 
 def test_flags_reach_the_config() -> None:

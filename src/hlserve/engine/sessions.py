@@ -31,32 +31,59 @@ deadlocks; running requests' growth still takes retained pages (no retraction is
 
 ``session_ttl`` None (the default) turns all of this off: requests release as before, and
 the stored zero-gap study is unchanged.
+
+**Memory.** What a client names a session with costs nothing past its request: the key is
+a 16-byte BLAKE2b digest of the salt-scoped name (32 hex characters), whatever the name's
+length, so every remembered session costs the same, at most ``SESSION_ENTRY_BYTES`` (its
+key, its ``SessionState`` with a full ``array`` of gaps, and its dict slot; measured with
+``tracemalloc`` in tests/test_session_memory.py). At most ``MAX_SESSIONS`` are remembered,
+so the state is bounded by ``SESSIONS_MAX_BYTES`` (40 MiB) however many sessions
+clients invent, and a session is forgotten ``LEARNED_CAP`` x ``session_ttl`` after its last
+round ended (the longest deadline either policy gives), so idle sessions do not stay.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
+from hashlib import blake2b
 
 SESSION_TTL_POLICIES = ("fixed", "learned")
 MAX_GAPS = 32  # past tool gaps kept per session
-MAX_SESSIONS = 65536  # sessions remembered; the oldest are forgotten past this
+MAX_SESSIONS = 65536  # sessions remembered; the least recently ended are forgotten past this
 LEARNED_MARGIN, LEARNED_QUANTILE, LEARNED_CAP = 1.25, 0.9, 4.0
+SESSION_KEY_BYTES = 16  # of the digest a session is keyed by (hex: twice as many characters)
+# one remembered session, measured (tests/test_session_memory.py): its key, its state with
+# MAX_GAPS gaps, and its share of the dict; entries are this size whatever the name was
+SESSION_ENTRY_BYTES = 640  # 611 measured
+SESSIONS_MAX_BYTES = MAX_SESSIONS * SESSION_ENTRY_BYTES  # 40 MiB
 
 
 def session_key(session_id: str | None = None, prompt_cache_key: str | None = None,
                 user: str | None = None, salt: str | None = None) -> str | None:
     """A request's session: the first non-empty of ``session_id``, ``prompt_cache_key``,
-    ``user``, scoped by the tenant's cache ``salt``; None when none is set."""
+    ``user``, scoped by the tenant's cache ``salt``; None when none is set. The key is a
+    digest of that (:func:`name_digest`): its size does not depend on the name's."""
     for name in (session_id, prompt_cache_key, user):
         if isinstance(name, str) and name:
-            return name if salt is None else f"{salt}\x00{name}"
+            return name_digest(name if salt is None else f"{salt}\x00{name}")
     return None
+
+
+def name_digest(name: str) -> str:
+    """A fixed-size key for a client's name of any length (32 hex characters); lone
+    surrogates, which JSON can carry, are hashed as they are rather than refused."""
+    return blake2b(name.encode("utf-8", "surrogatepass"), digest_size=SESSION_KEY_BYTES
+                   ).hexdigest()
 
 
 @dataclass(slots=True)
 class SessionState:
-    last_end: float | None = None  # when its last round ended
-    gaps: list[float] = field(default_factory=list)  # past tool gaps, seconds, newest last
+    last_end: float | None = None  # when its last round ended (None: a round is running)
+    ended: float = 0.0  # when its last round ended, kept while the next runs: for expiry
+    # past tool gaps, seconds, newest last: an array of doubles (8 bytes each, not a float
+    # object's 24 plus a list slot), so that a full history costs what the budget says
+    gaps: array = field(default_factory=lambda: array("d"))
     rounds: int = 0
     retained_tokens: int = 0  # context tokens its last round left retained
     reprefilled_tokens: int = 0  # context tokens its rounds had to compute again
@@ -76,6 +103,7 @@ class Sessions:
             raise ValueError(f"session_ttl_policy must be one of {SESSION_TTL_POLICIES}")
         self.ttl = ttl
         self.policy = policy
+        # by session key, least recently ended first (a round's end moves it to the back)
         self.state: dict[str, SessionState] = {}
         self.stats = SessionStats()
         self.per_token: float | None = None  # prefill seconds per token, measured (EMA)
@@ -115,19 +143,35 @@ class Sessions:
         """The deadline of a finished round's pages (None: release them plainly)."""
         if not self.enabled:
             return None
-        st = self.state.get(key)
+        self._forget_idle(now)
+        st = self.state.pop(key, None)
         if st is None:
             if len(self.state) >= MAX_SESSIONS:
                 del self.state[next(iter(self.state))]
-            st = self.state[key] = SessionState()
+            st = SessionState()
+        self.state[key] = st  # the most recently ended last
         st.rounds += 1
         self.stats.rounds += 1
-        st.last_end = now
+        st.last_end = st.ended = now
         ttl = self._ttl(st, context_tokens, pages, num_pages)
         if ttl <= 0:
             return None
         st.retained_tokens = context_tokens
         return now + ttl
+
+    @property
+    def horizon(self) -> float:
+        """How long after its last round ended a session is remembered: the longest
+        deadline either policy gives (the learned one's cap)."""
+        assert self.ttl is not None
+        return LEARNED_CAP * self.ttl
+
+    def _forget_idle(self, now: float) -> None:
+        """Forget the sessions whose last round ended over ``horizon`` ago: their pages are
+        plain again, and an id a client used once must not stay (the oldest are first)."""
+        state, cutoff = self.state, now - self.horizon
+        while state and next(iter(state.values())).ended < cutoff:
+            del state[next(iter(state))]
 
     def _ttl(self, st: SessionState, context_tokens: int, pages: int, num_pages: int) -> float:
         assert self.ttl is not None

@@ -40,6 +40,17 @@ MAX_STOP_STRINGS = 32  # each is checked against the text after every token
 MAX_STOP_CHARS = 512  # a stop string's length is also how much text is held back
 MAX_STOP_TOKEN_IDS = 128
 MAX_CACHE_SALT_CHARS = 256
+# identifiers a client names things by. OpenAI refuses longer ones (its 400
+# "string_above_max_length") for prompt_cache_key, user, call ids and function names, and
+# documents 64 for a function name; safety_identifier, which supersedes user, is held to the
+# same. vLLM has no limit on any of them
+MAX_IDENTIFIER_CHARS = 64
+# hlserve's and vLLM's own names, which OpenAI does not have (vLLM: no limit): room for a
+# composite of a few UUIDs
+MAX_SESSION_ID_CHARS = 256
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, string values of at
+# most 512 (vLLM's Responses API takes OpenAI's type: string keys and values, no bounds)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 MAX_QUOTED_CHARS = 200  # of an input quoted in an error message
 MAX_ERROR_CHARS = 2000  # of an error message, whatever it quotes
 
@@ -48,6 +59,11 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+Identifier = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_CHARS)]
+SessionId = Annotated[str, StringConstraints(max_length=MAX_SESSION_ID_CHARS)]
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY_CHARS)],
+                          Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE_CHARS)]],
+                     Field(max_length=MAX_METADATA_PAIRS)]
 
 
 def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
@@ -122,6 +138,8 @@ def validation_error(e: ValidationError) -> ApiError:
     if kind in _VALUE_MESSAGES:
         ctx = dict(err.get("ctx") or {})
         ctx.setdefault("length", len(got) if isinstance(got, (str, list)) else None)
+        if ctx.get("actual_length") is None and isinstance(got, (str, list, dict)):
+            ctx["actual_length"] = len(got)  # pydantic leaves it unset for a dict
         return ApiError(400, f"{param} {_VALUE_MESSAGES[kind].format(**ctx)}, got {shown}",
                         param=param, code="invalid_value")
     code = "invalid_value" if kind.startswith("literal") else "invalid_type"
@@ -151,7 +169,11 @@ def _shown(value: object) -> str:
 
 
 def _param(loc: tuple) -> str:
-    """The field's path, without union members ('stop', 'list[str]', 0 -> 'stop.0')."""
+    """The field's path, without union members ('stop', 'list[str]', 0 -> 'stop.0'); a
+    dict key at fault is named by its dict ('metadata', 'k...', '[key]' -> 'metadata': the
+    key is the bad input, not a field)."""
+    if "[key]" in loc:
+        loc = loc[:max(1, loc.index("[key]") - 1)]
     parts = [str(p) for p in loc if isinstance(p, int) or not _looks_like_type(p)]
     return clip(".".join(parts) if parts else str(loc[0]))  # a field name is input too
 
@@ -189,10 +211,10 @@ class _Common(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS)
     # an agent session's name when session_id is unset (engine/sessions.py's precedence)
-    user: str | None = None
-    prompt_cache_key: str | None = None
+    user: Identifier | None = None
+    prompt_cache_key: Identifier | None = None
     # accepted and ignored: it does not change what is generated here
-    safety_identifier: str | None = None
+    safety_identifier: Identifier | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)  # 1: off
@@ -203,7 +225,7 @@ class _Common(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int32 = 0  # lower is served first; the server may bound it further
-    session_id: str | None = None
+    session_id: SessionId | None = None
     return_token_ids: bool = False
     # vLLM's prefix-cache namespace: requests hit only pages cached under the same salt (and,
     # with API keys, the same key)
@@ -393,7 +415,7 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     # accepted and ignored
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None

@@ -22,6 +22,10 @@ from hlserve.config import EngineConfig
 from hlserve.engine.sessions import MAX_SESSIONS
 from hlserve.request import Request
 
+# one started session in ProgramOrder.started: its 32-character key and its dict slot
+STARTED_ENTRY_BYTES = 160  # 102 measured
+STARTED_MAX_BYTES = MAX_SESSIONS * STARTED_ENTRY_BYTES
+
 
 class OrderPolicy(abc.ABC):
     """Who is considered for admission first. Returns an iterator so that a pass that
@@ -112,7 +116,10 @@ class ProgramOrder(OrderPolicy):
     puts the rounds whose pages were evicted ahead of the ones whose context is cached, and
     the pool thrashes (docs/study.md, section 9: 0.59x of LPM at 64K and 128 sessions). A
     session counts as started from its first admitted round; the most recent
-    ``MAX_SESSIONS`` are remembered.
+    ``MAX_SESSIONS`` are remembered. A session is its key (``session_key``'s digest, in
+    both hosts), not the name a client sent, so each remembered session costs at most
+    ``STARTED_ENTRY_BYTES`` (measured, tests/test_session_memory.py) and the map at most
+    ``STARTED_MAX_BYTES`` (10 MiB), whatever the names' lengths.
     """
 
     def __init__(self, inner: OrderPolicy, aging_steps: int,

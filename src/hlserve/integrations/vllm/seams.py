@@ -22,6 +22,8 @@ from typing import Any
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
+from hlserve.engine.sessions import session_key
+
 # vllm_xargs keys read where the version has no field of its own (and as a fallback)
 SESSION_KEY = "session_id"
 TTL_KEY = "session_ttl"
@@ -58,12 +60,13 @@ def _xargs(req: Request) -> Mapping[str, Any]:
 def session_of(req: Request) -> str | None:
     """The agent session ``req`` is a round of: vLLM's own ``session_id`` where the version has
     it (0.34), else ``vllm_xargs.session_id``; scoped by the request's ``cache_salt`` (a
-    tenant's), so two tenants naming the same session are two sessions."""
+    tenant's), so two tenants naming the same session are two sessions. The key is
+    hlserve's fixed-size digest (engine/sessions.py:session_key): the state kept per
+    session after its request is gone costs the same whatever the name's length."""
     name = getattr(req, "session_id", None) or _xargs(req).get(SESSION_KEY)
     if not isinstance(name, str) or not name:
         return None
-    salt = getattr(req, "cache_salt", None)
-    return name if not salt else f"{salt}\x00{name}"
+    return session_key(name, salt=getattr(req, "cache_salt", None) or None)
 
 
 def session_hints(req: Request) -> dict[str, Any]:

@@ -8,9 +8,17 @@ request's ``instructions`` are not part of it: OpenAI does not carry them over t
 continuation, which sends its own.
 
 The store is bounded in count (``--responses-store-max``) and in bytes
-(``--responses-store-max-bytes``, the JSON size of the response and of its conversation);
-past either bound the least recently used response is evicted (a lookup or a continuation
-uses it). A response whose own size is over the byte bound is not kept. Entries are scoped
+(``--responses-store-max-bytes``); past either bound the least recently used response is
+evicted (a lookup or a continuation uses it). A response whose own size is over the byte
+bound is not kept. What is kept is bytes, not Python objects: the response as the JSON it
+was answered with, and its conversation as one JSON chunk per turn, shared with the response
+it continues. So the charge is the real footprint: each chunk's length plus
+``CHUNK_OVERHEAD`` (a ``bytes`` object's header and the allocator's rounding) and each
+entry's ``ENTRY_OVERHEAD`` (its key, record and slot; measured, tests/test_responses_store.py).
+A shared chunk is charged to every response that holds it, so the charge is an upper bound.
+Before, the store kept the parsed objects and charged their JSON characters: a float in a
+list costs about 32 bytes in Python for its 4 characters, and 23 requests of 10 MB of such
+``metadata`` held 1.4 GiB under a 128 MiB bound. Entries are scoped
 by tenant (the API key's id; one shared tenant without keys): another tenant's id is
 answered as unknown, so one tenant can neither read nor continue nor tell apart another's
 responses. The store lives in the server's memory only: a restart forgets it.
@@ -43,27 +51,53 @@ class StoreLimits:
     max_bytes: int = DEFAULT_RESPONSES_STORE_MAX_BYTES
 
 
-@dataclass(frozen=True)
+CHUNK_OVERHEAD = 64  # a bytes object's 33-byte header, its tuple slot, allocator rounding
+ENTRY_OVERHEAD = 512  # key tuple, response id, record, dict slot and LRU links (measured)
+
+
+@dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """One stored response: the object as answered, and the conversation through it."""
+    """One stored response: the object as answered, and the conversation through it, as
+    JSON bytes (what the byte bound charges is what is held)."""
 
-    response: dict[str, Any]
-    conversation: tuple[dict[str, Any], ...]  # chat messages, without the instructions
-    conversation_bytes: int  # JSON size of ``conversation``, counted turn by turn
-    size: int  # what the byte bound counts: the conversation and the response object
+    body: bytes  # the response object, JSON as answered
+    turns: tuple[bytes, ...]  # the conversation: each turn's chat messages, a JSON list
+    size: int  # what the byte bound charges: ``stored_size``
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return decode(self.body)
+
+    @property
+    def conversation(self) -> tuple[dict[str, Any], ...]:
+        """The chat messages, without the instructions (new objects on every call)."""
+        return tuple(m for turn in self.turns for m in decode(turn))
 
 
-def json_size(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+def encode(value: Any) -> bytes:
+    """``value`` as compact JSON, as a JSON response renders it; lone surrogates, which a
+    JSON body can carry, pass through rather than fail."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "surrogatepass")
+
+
+def decode(data: bytes) -> Any:
+    return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+def stored_size(body: bytes, turns: tuple[bytes, ...]) -> int:
+    """The memory an entry holds, at most: its chunks and their headers, and its record."""
+    return (ENTRY_OVERHEAD + len(body) + CHUNK_OVERHEAD
+            + sum(len(t) + CHUNK_OVERHEAD for t in turns))
 
 
 class ResponseStore:
     """An LRU of stored responses keyed by (tenant, response id), bounded in count and bytes.
 
     Handlers call it from the event loop; the lock only keeps it whole should anything else
-    ever do. A conversation shares its earlier turns' message dicts with the response it
-    continues (they are never changed), so the byte bound over-counts a chain's memory: it
-    is an upper bound, not an estimate.
+    ever do. A conversation shares its earlier turns' chunks with the response it continues
+    (bytes never change), so the byte bound over-counts a chain's memory: it is an upper
+    bound, not an estimate.
     """
 
     def __init__(self, limits: StoreLimits) -> None:
@@ -98,11 +132,9 @@ class ResponseStore:
         then evict down to the bounds. False when it is not kept (store off, or too big)."""
         if not self.enabled:
             return False
-        earlier = history.conversation if history is not None else ()
-        conv_bytes = (history.conversation_bytes if history is not None else 0) + \
-            json_size(new_messages)
-        entry = StoredResponse(response, (*earlier, *new_messages), conv_bytes,
-                               conv_bytes + json_size(response))
+        body = encode(response)
+        turns = (*(history.turns if history is not None else ()), encode(new_messages))
+        entry = StoredResponse(body, turns, stored_size(body, turns))
         if entry.size > self.limits.max_bytes:
             return False
         key = (tenant, response["id"])

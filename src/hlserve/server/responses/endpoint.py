@@ -62,8 +62,11 @@ from hlserve.server.openai_api.state import ServerState, state_of
 from hlserve.server.openai_api.streaming import ChatChunks, EngineStreamResponse
 from hlserve.server.protocol import (
     INT32_MAX,
+    MAX_IDENTIFIER_CHARS,
     ApiError,
     ChatCompletionRequest,
+    Identifier,
+    Metadata,
     _Strict,
     new_id,
     now_s,
@@ -104,16 +107,17 @@ class ResponsesRequest(_Strict):
     reasoning: dict[str, Any] | None = None
     stream: bool = False
     store: bool | None = None
-    previous_response_id: str | None = None
+    # ids here are 37 characters; OpenAI's do not reach 64
+    previous_response_id: Identifier | None = None
     background: bool | None = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # accepted and ignored: they do not change what is generated here
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: Identifier | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    prompt_cache_key: Identifier | None = None
+    safety_identifier: Identifier | None = None
     # vLLM's extras on this endpoint
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
@@ -164,6 +168,8 @@ def _item_message(item: dict[str, Any], where: str, messages: list[dict[str, Any
         if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
             raise _refuse(f"{where}: a function_call needs a name and string arguments", "input",
                           "invalid_value")
+        for key in ("call_id", "id", "name"):
+            _identifier(item, key, where)
         call = {"id": item.get("call_id") or item.get("id") or new_id("call"), "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}}
         last = messages[-1] if messages else None
@@ -176,6 +182,7 @@ def _item_message(item: dict[str, Any], where: str, messages: list[dict[str, Any
         if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
             raise _refuse(f"{where}: a function_call_output needs a call_id and an output",
                           "input", "invalid_value")
+        _identifier(item, "call_id", where)
         messages.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": _text_of(output, where)})
     elif kind == "reasoning":
@@ -183,6 +190,21 @@ def _item_message(item: dict[str, Any], where: str, messages: list[dict[str, Any
     else:
         raise _refuse(f"{where} has type {kind!r}; this server takes message, function_call, "
                       "function_call_output and reasoning items", "input")
+
+
+def _identifier(item: dict[str, Any], key: str, where: str) -> None:
+    """An item's id, call id or function name: absent, or a string of at most OpenAI's 64
+    characters (OpenAI and vLLM take only strings; an integer or object is a 400, not a call
+    id the template renders as whatever it is)."""
+    value = item.get(key)
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise _refuse(f"{where}.{key} must be a string, got {type(value).__name__}",
+                      f"{where}.{key}", "invalid_type")
+    if len(value) > MAX_IDENTIFIER_CHARS:
+        raise _refuse(f"{where}.{key} may be at most {MAX_IDENTIFIER_CHARS} characters long "
+                      f"(it has {len(value)})", f"{where}.{key}", "invalid_value")
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -398,7 +420,7 @@ def response_shell(rid: str, model: str, req: ResponsesRequest, store: bool) -> 
 # ---- stored responses: GET, DELETE, cancel ----------------------------------------------------
 
 
-async def get_response(request: Request, response_id: str) -> JSONResponse:
+async def get_response(request: Request, response_id: str) -> Response:
     """A stored response as it was answered (vLLM's 404 for one this tenant does not hold).
     ``stream`` / ``starting_after`` replay a background response's events: none here."""
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
@@ -407,7 +429,7 @@ async def get_response(request: Request, response_id: str) -> JSONResponse:
     entry = state_of(request).responses.get(tenant_of(request), response_id)
     if entry is None:
         raise response_not_found(response_id)
-    return JSONResponse(entry.response)
+    return Response(entry.body, media_type="application/json")  # as it was answered
 
 
 async def delete_response(request: Request, response_id: str) -> JSONResponse:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hlserve.server.protocol import ApiError
+from hlserve.server.protocol import MAX_IDENTIFIER_CHARS, ApiError
 from hlserve.structured import StructuredOutputsParams
 
 TOOL_KEYS = frozenset({"type", "function"})
@@ -73,9 +73,12 @@ def parse_tool_call_arguments(messages: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
-    """``tools`` and a named ``tool_choice``: no empty list, no keys nothing reads."""
+    """``tools`` and a named ``tool_choice``: no empty list, no keys nothing reads, names
+    of at most OpenAI's 64 characters, no two functions of one name (which schema a call
+    of that name keeps to would be a guess; OpenAI refuses them, vLLM takes the first)."""
     if tools is not None and not tools:
         raise _refuse("tools must not be an empty list (omit it for no tools)", "tools")
+    seen: set[str] = set()
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             continue  # parsers.py's shape check words this one
@@ -83,6 +86,7 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
         fn = tool.get("function")
         if isinstance(fn, dict):
             _extra(fn, FUNCTION_KEYS, f"tools.{i}.function")
+            _check_name(fn.get("name"), i, seen)
             if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
                 raise _refuse(f"tools[{i}].function.strict must be a boolean",
                               f"tools.{i}.function.strict")
@@ -93,6 +97,18 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
         _extra(tool_choice, NAMED_CHOICE_KEYS, "tool_choice")
         if isinstance(fn := tool_choice.get("function"), dict):
             _extra(fn, frozenset({"name"}), "tool_choice.function")
+
+
+def _check_name(name: Any, i: int, seen: set[str]) -> None:
+    if not isinstance(name, str):
+        return  # parsers.py's shape check words this one
+    if len(name) > MAX_IDENTIFIER_CHARS:
+        raise _refuse(f"tools[{i}].function.name may be at most {MAX_IDENTIFIER_CHARS} "
+                      f"characters long (it has {len(name)})", f"tools.{i}.function.name")
+    if name in seen:
+        raise _refuse(f"tools[{i}] repeats the function name {name!r}: names must be unique",
+                      "tools")
+    seen.add(name)
 
 
 def check_response_format(rf: dict[str, Any] | None) -> None:
