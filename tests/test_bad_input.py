@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hlserve import LLM, InvalidRequestError, ModelLoadError, SamplingParams
+from hlserve.tokenizer import Tokenizer
 
 MAX_LEN = 64
 VOCAB = 4096
@@ -174,6 +176,25 @@ def test_bad_chat_messages(llm, refs, messages) -> None:
     with pytest.raises(InvalidRequestError, match="chat template failed on these messages"):
         llm.chat(messages, GREEDY)
     assert_serves(llm, refs)
+
+
+@pytest.mark.parametrize("template, kwargs", [
+    ("{% for i in range(n) %}{% endfor %}", {"n": 10**9}),  # the sandbox: OverflowError
+    ("{{ 1 // d }}", {"d": 0}),  # ZeroDivisionError
+    ("{{ '%d' % n }}", {"n": "x"}),  # TypeError
+])
+def test_a_template_that_raises_on_the_clients_values_is_the_clients_error(
+        tiny_llama: Path, template: str, kwargs: dict[str, Any]) -> None:
+    """Whatever a template's operation raises on a value the client sent (here through
+    ``chat_template_kwargs``) is an InvalidRequestError, which the server answers with a
+    400 (vLLM answers any error from rendering so); an OverflowError or ZeroDivisionError
+    was a 500."""
+    tok = Tokenizer.from_dir(tiny_llama)
+    assert tok is not None
+    tok.chat_template = template
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequestError, match="chat template failed"):
+        tok.encode_chat(messages, **kwargs)
 
 
 # ---- mid-flight ---------------------------------------------------------------------------

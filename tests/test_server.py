@@ -845,10 +845,20 @@ def test_special_token_text_in_content_is_not_a_control_token(client, offline) -
         tok.apply_chat_template(MESSAGES), add_special_tokens=False)
 
 
-@pytest.mark.parametrize("name", ["messages", "tools", "add_generation_prompt", "bos_token",
-                                  "eos_token", "raise_exception", "range"])
+@pytest.mark.parametrize("name", [
+    "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+    "raise_exception", "range",
+    # the render call's own parameter (a 500 before: "got multiple values for argument")
+    "self",
+    # transformers' apply_chat_template options, not template variables (accepted and
+    # silently ignored before; vLLM refuses the first three, and would apply the rest)
+    "chat_template", "tokenize", "conversation", "continue_final_message", "truncation",
+    "max_length", "padding", "return_dict"])
 def test_chat_template_kwargs_cannot_replace_the_templates_arguments(http, name: str) -> None:
     r = http.post("/v1/chat/completions", json={**CHAT_BODY, "chat_template_kwargs": {name: 1}})
+    assert_error(r, 400, f"cannot set ['{name}']", "chat_template_kwargs", "invalid_value")
+    r = http.post("/tokenize", json={"messages": CHAT_BODY["messages"],
+                                     "chat_template_kwargs": {name: 1}})
     assert_error(r, 400, f"cannot set ['{name}']", "chat_template_kwargs", "invalid_value")
     ok = http.post("/v1/chat/completions",
                    json={**CHAT_BODY, "chat_template_kwargs": {"enable_thinking": False}})

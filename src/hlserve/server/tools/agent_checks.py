@@ -115,6 +115,9 @@ def check_response_format(rf: dict[str, Any] | None) -> None:
     if not rf:
         return
     kind = rf.get("type", "text")
+    if not isinstance(kind, str):  # a list or object is unhashable: the lookup below raises
+        raise _refuse(f"response_format.type must be a string, got {type(kind).__name__}",
+                      "response_format.type", "invalid_type")
     if kind not in RESPONSE_FORMAT_KEYS:
         return  # constraints.py names the types
     if kind == "json_object" and "schema" in rf:
