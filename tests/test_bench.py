@@ -131,10 +131,16 @@ def test_tool_time_between_rounds(server, tmp_path: Path, capsys) -> None:
     rc = main(["bench", "--base-url", server.url, "--model", MODEL, "--sessions", "2",
                "--rounds", "3", "--system-prompt-len", "64", "--task-len", "8",
                "--tool-output-len", "8:16", "--output-len", "2:4", "--tool-time", "fixed:0.3",
-               "--result-file", str(tmp_path / "res.json"), "--no-progress"])
+               "--result-file", str(tmp_path / "res.json"), "--no-progress",
+               "--report", str(tmp_path / "res.html")])
     assert rc == 0
     res = json.loads((tmp_path / "res.json").read_text())
     assert res["tool_time"] == "fixed:0.3" and res["sessions_completed"] == 2
+    # the result names the client's machine; --report draws the run from its requests
+    assert res["machine"]["logical_cpus"] >= 1 and res["machine"]["cpu_model"]
+    page = (tmp_path / "res.html").read_text()
+    assert page.count('class="dist-row tip"') == 4  # TTFT, TPOT, ITL, E2E: one row each
+    assert "TTFT (ms), from requests, 6 values" in page
     rows = read_jsonl(res["request_file"])
     for sid in (0, 1):
         rounds = sorted((r for r in rows if r["session_id"] == sid), key=lambda r: r["round"])

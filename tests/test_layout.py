@@ -35,6 +35,7 @@ RUNNER_SEES_OF_ENGINE = {"hlserve.engine.batch"}
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlserve",),  # the package root: re-exports the offline API
     ("cli",),
+    ("html_report",),  # the HTML report of a sweep's, study's or bench's result
     ("bench",),
     ("server", "study", "integrations"),
     ("driver",),

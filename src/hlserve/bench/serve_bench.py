@@ -45,6 +45,7 @@ from typing import Any
 
 from hlserve.bench.client import SESSION_FIELDS, BenchClient, ServerInfo, load_tokenizer
 from hlserve.driver.coding_workload import ChatCodec, CodingWorkload
+from hlserve.driver.machine import host
 from hlserve.driver.records import SLO, Recorder, RequestRecord, headline, summarize
 from hlserve.driver.tool_time import ToolTime
 from hlserve.driver.workloads import (
@@ -333,6 +334,7 @@ async def run_async(spec: BenchSpec) -> dict[str, Any]:
         "session_fields": info.session_fields,
         "session_prefix": prefix if info.session_fields else None,
         "request_file": rec.path,
+        "machine": host(),  # where the client ran (the server's own machine is its to tell)
         **extra,
     }
     res = summarize(rec.records, duration, spec.slo, rec.session_times, rec.sessions_failed,

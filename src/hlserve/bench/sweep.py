@@ -40,6 +40,7 @@ from hlserve.bench.repeated import add_tax_intervals, run_points_repeated
 from hlserve.bench.serve_bench import BenchSpec, agent_sessions, recorder, run_bench
 from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
+from hlserve.driver.machine import host
 from hlserve.driver.records import headline, summarize
 from hlserve.engine.args import parse_engine_args
 from hlserve.engine.llm_engine import Engine
@@ -267,6 +268,7 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
                "threads": sw.threads,
                "server_cmd": sw.server_cmd, "sim": sw.sim, "points": results,
                "tax": rows, "frontier_png": str(png), "python": sys.version.split()[0],
+               "machine": host(),
                "repeats": sw.repeats, **extra}
     (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     log("\n" + table + "\n\n" + tax)

@@ -1,5 +1,5 @@
-"""``hlserve`` command line: tiny-model, generate, demo, serve, and the parser that adds bench,
-sweep (``measure``), cost, calibrate and study (``simulate``)."""
+"""``hlserve`` command line: tiny-model, generate, demo, serve, report, and the parser that adds
+bench, sweep (``measure``), cost, calibrate and study (``simulate``)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(make_config(resolve_model(args.model), **options), server_settings(args, args.model))
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    """The HTML report of a result already on disk (hlserve.html_report)."""
+    from hlserve.html_report import write_report
+
+    src = Path(args.result)
+    out = args.output or (src / "report.html" if src.is_dir() else src.with_suffix(".html"))
+    print(f"wrote {write_report(src, out)}")
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    """``hlserve report RESULT [-o FILE.html]``."""
+    p = sub.add_parser("report", help="an HTML report of a sweep, study or bench result "
+                                      "(docs/bench.md)")
+    p.add_argument("result", help="a sweep's or a study's folder (--out), a sweep.json, or a "
+                                  "bench result JSON (--result-file)")
+    p.add_argument("-o", "--output", default=None, metavar="FILE.html",
+                   help="where to write it (default: RESULT/report.html for a folder, "
+                        "RESULT.html beside a JSON file)")
+    p.set_defaults(func=cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hlserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -159,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="SLO knob sweep: frontier and human tax (docs/bench.md)")
     add_sweep_args(p)
     p.set_defaults(func=cmd_sweep)
+
+    add_report_parser(sub)
 
     from hlserve.cli.simulate import add_subcommands
 

@@ -175,7 +175,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--record-ids", action="store_true",
                    help="write prompt and output token ids into the per-request JSONL")
     o.add_argument("--label", default=None, help="a name for this run, kept in the result")
+    add_report_arg(o)
     o.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def add_report_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--report FILE.html`` of bench, sweep and study (hlserve.html_report)."""
+    p.add_argument("--report", default=None, metavar="FILE.html",
+                   help="also write the result as one self-contained HTML page (charts with "
+                        "each point's configuration on hover; opens offline)")
 
 
 def bench_spec(args: argparse.Namespace) -> Any:
@@ -227,6 +235,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(format_result(res))
     if args.repeats > 1:
         print(format_repeats(res))
+    if args.report:
+        from hlserve.html_report.load import from_bench
+        from hlserve.html_report.page import write
+
+        path = Path(args.result_file) if args.result_file else None
+        print(f"report: {write(from_bench(res, path), args.report)}")
     if args.result_file:
         print(f"result: {args.result_file}; requests: {res.get('request_file')}")
     if res.get("repeat_errors"):
@@ -281,6 +295,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="SLO targets of the tax table, ms, p99 (e.g. '500:none,2000:200'); "
                         "default: each point's own p99 TTFT and TPOT")
     o.add_argument("--title", default="", help="title of the frontier plot")
+    add_report_arg(o)
     o.add_argument("--no-progress", dest="progress", action="store_false")
 
 
@@ -321,6 +336,10 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     bad = [p["label"] for p in summary["points"] if not p["metrics"].get("completed")
            or p["metrics"].get("failed") or p["metrics"].get("repeat_errors")]
     print(f"\nwrote {args.out}/frontier.png, {args.out}/tax.md, {args.out}/sweep.json")
+    if args.report:
+        from hlserve.html_report import write_report
+
+        print(f"report: {write_report(args.out, args.report)}")
     if bad:
         print(f"hlserve sweep: points with failures: {', '.join(bad)}", file=sys.stderr)
         raise SystemExit(1)

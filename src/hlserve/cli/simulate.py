@@ -182,9 +182,11 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
                    help="the tool call between a session's rounds, drawn per round from the "
                         "seed: fixed:S, exp:MEAN, lognormal:MEDIAN:SIGMA, empirical:FILE "
                         "(default: 0, the zero-gap study)")
+    from hlserve.cli.measure import add_report_arg
     from hlserve.driver.repeats import add_repeat_args
 
     add_repeat_args(p, ray=True)
+    add_report_arg(p)
 
 
 def tool_time_spec(text: str) -> str:
@@ -219,6 +221,10 @@ def cmd_study(args: argparse.Namespace) -> None:
     if not args.report_only:
         run_study(spec, out, jobs=args.jobs, progress=True, repeats=args.repeats, ray=args.ray)
     paths = report(out)
+    if args.report:
+        from hlserve.html_report import write_report
+
+        paths.append(write_report(out, args.report))
     for p in paths:
         print(f"wrote {p}")
 
