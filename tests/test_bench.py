@@ -181,6 +181,24 @@ def test_trace_chains_over_http_wait_out_their_recorded_gaps(server, tmp_path: P
         assert cur["start"] - prev["end"] < gap
 
 
+def test_outside_formats_replay_over_http(server, tmp_path: Path) -> None:
+    """AIPerf's documented multi-turn trace runs as closed-loop sessions (its turns the
+    sessions' rounds, their lengths), inference-perf's OTel example replays open loop, each
+    request naming its session."""
+    data = Path(__file__).parent / "data" / "traces"
+    res = run_bench(small_agent(server.url, tmp_path, sessions=1, rounds=2,
+                                trace=str(data / "aiperf_mooncake_sessions.jsonl")))
+    assert res["sessions_completed"] == 1 and res["failed"] == 0
+    rounds = sorted(read_jsonl(res["request_file"]), key=lambda r: r["round"])
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in rounds] == [(300, 40),
+                                                                         (490, 20)]
+    rep = run_bench(BenchSpec(base_url=server.url, workload="trace", progress=False,
+                              trace=str(data / "inference_perf_simple_chain.json"),
+                              trace_format="inference-perf", time_scale=10.0, timeout=120))
+    assert rep["completed"] == 3 and rep["failed"] == 0
+    assert rep["session_fields"] == ["session_id", "prompt_cache_key", "user"]
+
+
 def test_think_time_is_fixed_tool_time() -> None:
     from hlserve.cli.commands import build_parser
     from hlserve.cli.measure import bench_spec

@@ -70,8 +70,12 @@ def test_small_study_resumes_and_reports(tmp_path) -> None:
     assert [r["duration"] for r in runs] == [30.0, 20.0]
     paths = report(tmp_path)
     names = {p.name for p in paths}
-    assert {"frontier_8k.png", "tax.png", "summary.json", "table.md"} <= names
+    assert {"frontier_8k.png", "tax.png", "summary.json", "table.md", "tiers.md"} <= names
     summary = json.loads((tmp_path / "summary.json").read_text())
+    # agents per node at SLO tiers, per context, with the node's row (hlserve.driver.tiers)
+    assert {r["tier"] for r in summary["tiers"]["8192"]} == {
+        "interactive", "production", "relaxed", "none"}
+    assert any(r["config"] == "best of all" for r in summary["tiers"]["8192"])
     assert 0.0 <= summary["slos"][0]["tax"] <= 1.0
     assert "sarathi C=B=512" in (tmp_path / "table.md").read_text()
     assert StudyPoint("sglang", None, 32768, 64).label == "sglang C=inf"

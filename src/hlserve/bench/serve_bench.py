@@ -48,6 +48,7 @@ from hlserve.driver.coding_workload import ChatCodec, CodingWorkload
 from hlserve.driver.machine import host
 from hlserve.driver.records import SLO, Recorder, RequestRecord, headline, summarize
 from hlserve.driver.tool_time import ToolTime
+from hlserve.driver.trace_formats import load_trace, write_trace
 from hlserve.driver.workloads import (
     AgentWorkload,
     Dist,
@@ -90,6 +91,7 @@ class BenchSpec:
     max_concurrency: int | None = None
     # trace (replay, or agent sessions from its chains)
     trace: str | None = None
+    trace_format: str = "auto"  # mooncake, aiperf, inference-perf (driver/trace_formats.py)
     trace_start: float = 0.0  # seconds into the trace
     trace_limit: int | None = None
     time_scale: float = 1.0
@@ -249,9 +251,19 @@ def agent_sessions(spec: BenchSpec, info: ServerInfo, chat: ChatCodec | None = N
 
 
 def _scaled_trace(spec: BenchSpec) -> ScaledTrace:
-    trace = MooncakeTrace.load(spec.trace, limit=spec.trace_limit, start=spec.trace_start,
-                               vocab=spec.vocab, seed=spec.seed)
+    trace = load_trace(spec.trace, spec.trace_format, limit=spec.trace_limit,
+                       start=spec.trace_start, vocab=spec.vocab, seed=spec.seed)
     return ScaledTrace(trace, spec.length_scale, spec.output_scale)
+
+
+def write_workload(spec: BenchSpec, path: str, fmt: str) -> Path:
+    """``--write-trace FILE``: the agent workload the spec describes (generated, or a trace's
+    chains), written as a trace in ``fmt`` without running it (driver/trace_formats.py)."""
+    if spec.workload != "agent":
+        raise ValueError("--write-trace writes the agent workload (token lengths); "
+                         f"--workload {spec.workload} is not one")
+    sessions, _ = agent_sessions(spec, ServerInfo(model=spec.model or ""))
+    return write_trace(sessions, path, fmt, spec.vocab, spec.seed)
 
 
 def open_requests(spec: BenchSpec, info: ServerInfo, prefix: str,

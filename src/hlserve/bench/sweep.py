@@ -42,6 +42,7 @@ from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.machine import host
 from hlserve.driver.records import headline, summarize
+from hlserve.driver.tiers import DEFAULT_TIERS, Tier, tier_rows, tier_table
 from hlserve.engine.args import parse_engine_args
 from hlserve.engine.llm_engine import Engine
 from hlserve.server.runtime.launch import ExternalServer, free_port
@@ -217,6 +218,7 @@ class SweepSpec:
     title: str = ""
     repeats: int = 1  # interleaved repeats per point, seeds bench.seed + i (bench/repeated.py)
     ray: str | None = None  # run the points as Ray tasks: "local" or a cluster's address
+    tiers: tuple[Tier, ...] = DEFAULT_TIERS  # agents per node at these SLO tiers
 
     def point_file(self, label: str, suffix: str = ".json") -> Path:
         """Where a point's file goes: ``points/<label><suffix>``, the label made a file name
@@ -260,19 +262,28 @@ def run_sweep(sw: SweepSpec, log: Any = print) -> dict[str, Any]:
     png = report.frontier_plot(results, out / "frontier.png", sw.title)
     table = report.points_table(results)
     tax = report.tax_table(rows)
+    tiers = tier_rows(results, sw.tiers, report.THROUGHPUT)
     (out / "tax.md").write_text(
         f"# Sweep: {sw.title or sw.model}\n\nCommand:\n\n```\n{sw.command}\n```\n\n"
         f"## Points\n\n{table}\n\n## Human tax\n\nTax = 1 − best throughput meeting the "
-        f"target / best throughput of any point (total token throughput).\n\n{tax}\n")
+        f"target / best throughput of any point (total token throughput).\n\n{tax}\n\n"
+        f"## Agents per node at SLO tiers\n\n{TIERS_NOTE}\n\n"
+        f"{tier_table(tiers, sw.tiers)}\n")
     summary = {"command": sw.command, "model": sw.model, "engine_args": sw.engine_args,
                "threads": sw.threads,
                "server_cmd": sw.server_cmd, "sim": sw.sim, "points": results,
-               "tax": rows, "frontier_png": str(png), "python": sys.version.split()[0],
-               "machine": host(),
+               "tax": rows, "tiers": tiers, "frontier_png": str(png),
+               "python": sys.version.split()[0], "machine": host(),
                "repeats": sw.repeats, **extra}
     (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     log("\n" + table + "\n\n" + tax)
     return summary
+
+
+TIERS_NOTE = ("Per tier (p99 TTFT / p99 TPOT), the most concurrent sessions a configuration "
+              "serves while meeting it (its points' closed-loop sessions), the throughput there, "
+              "and the tax against the tier none: 1 − its best throughput meeting the tier / "
+              "its best throughput. The last row pools every configuration.")
 
 
 def _executor(sw: SweepSpec, base: dict[str, Any]) -> Any:

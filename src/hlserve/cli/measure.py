@@ -106,8 +106,13 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                        help="trace: request i is sent at t_i / this: 2 replays twice as fast "
                             "(default: 1)")
     g.add_argument("--trace", default=None,
-                   help="a Mooncake-format JSONL trace: replayed (--workload trace), or its "
-                        "chains as agent sessions (--workload agent)")
+                   help="a multi-turn trace (Mooncake's, AIPerf's or inference-perf's "
+                        "format): replayed (--workload trace), or its sessions as agent "
+                        "sessions (--workload agent)")
+    g.add_argument("--trace-format", default="auto",
+                   choices=["auto", "mooncake", "aiperf", "inference-perf"],
+                   help="the format of --trace, or the one --write-trace writes (default: "
+                        "auto: read from the file; --write-trace: mooncake)")
     g.add_argument("--trace-start", type=float, default=0.0,
                    help="trace: seconds into the trace to start from (default: 0)")
     g.add_argument("--trace-limit", type=int, default=None, help="trace: requests used")
@@ -172,6 +177,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--result-file", default=None, help="result JSON (vLLM bench serve keys)")
     o.add_argument("--request-file", default=None,
                    help="per-request JSONL (default: RESULT.requests.jsonl beside --result-file)")
+    o.add_argument("--write-trace", default=None, metavar="FILE",
+                   help="write the agent workload (its sessions, rounds, lengths, hash ids "
+                        "and tool times) as a trace in --trace-format and exit, without "
+                        "running it; inference-perf's is a folder of OTel JSON files")
     o.add_argument("--record-ids", action="store_true",
                    help="write prompt and output token ids into the per-request JSONL")
     o.add_argument("--label", default=None, help="a name for this run, kept in the result")
@@ -220,8 +229,13 @@ def _tool_time(given: dict[str, Any]) -> Any:
 def cmd_bench(args: argparse.Namespace) -> None:
     """Run one benchmark; print vLLM's result block; exit 1 if any request failed."""
     from hlserve.bench.client import ProbeError
-    from hlserve.bench.serve_bench import format_result, run_bench
+    from hlserve.bench.serve_bench import format_result, run_bench, write_workload
 
+    if args.write_trace:
+        fmt = "mooncake" if args.trace_format == "auto" else args.trace_format
+        path = write_workload(bench_spec(args), args.write_trace, fmt)
+        print(f"wrote {path} ({fmt})")
+        return
     try:
         if args.repeats > 1:
             from hlserve.bench.repeated import format_repeats, run_bench_repeated
@@ -294,6 +308,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--targets", default=None, metavar="TTFT:TPOT,...",
                    help="SLO targets of the tax table, ms, p99 (e.g. '500:none,2000:200'); "
                         "default: each point's own p99 TTFT and TPOT")
+    o.add_argument("--slo-tiers", default=None, metavar="NAME=TTFT_S/TPOT_MS,...",
+                   help="the tiers of the agents-per-node table in tax.md and sweep.json "
+                        "(seconds / ms, none: no target) (default: interactive=0.5/50,"
+                        "production=2/100,relaxed=10/250, and none)")
     o.add_argument("--title", default="", help="title of the frontier plot")
     add_report_arg(o)
     o.add_argument("--no-progress", dest="progress", action="store_false")
@@ -313,6 +331,7 @@ def _targets(text: str | None) -> list[tuple[float | None, float | None]] | None
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     from hlserve.bench.sweep import SweepSpec, make_points, parse_sizes, run_sweep
+    from hlserve.driver.tiers import DEFAULT_TIERS, parse_tiers
 
     points = make_points(parse_sizes(args.chunk_sizes), args.token_budgets, args.add_point)
     spec = bench_spec(args)
@@ -328,6 +347,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         sim=args.sim, tp=args.tp, targets=_targets(args.targets), threads=args.threads,
         command="hlserve " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["sweep"]
         else "hlserve sweep ...", title=args.title, repeats=args.repeats, ray=args.ray,
+        tiers=parse_tiers(args.slo_tiers) if args.slo_tiers else DEFAULT_TIERS,
     )
     from hlserve.server.runtime.launch import stop_on_sigterm
 

@@ -176,6 +176,12 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
     p.add_argument("--wall-limit", type=float, default=900.0, help="wall seconds per point at most")
     p.add_argument("--report-only", action="store_true", help="plots and table from existing points")
+    p.add_argument("--tiers-only", action="store_true",
+                   help="only tiers.md and tiers.json (agents per node at SLO tiers) from "
+                        "existing points, the rest of the report left as it is")
+    p.add_argument("--slo-tiers", default=None, metavar="NAME=TTFT_S/TPOT_MS,...",
+                   help="the tiers of the tier table (default: interactive=0.5/50,"
+                        "production=2/100,relaxed=10/250, and none)")
     p.add_argument("--seed", type=int, default=0,
                    help="workload seed (with --repeats N: seeds SEED .. SEED+N-1) (default: 0)")
     p.add_argument("--tool-time", default="0", type=tool_time_spec, metavar="SPEC",
@@ -204,10 +210,16 @@ def tool_time_spec(text: str) -> str:
 
 
 def cmd_study(args: argparse.Namespace) -> None:
+    from hlserve.driver.tiers import DEFAULT_TIERS, parse_tiers
     from hlserve.study.core import StudySpec
     from hlserve.study.runs import run_study
-    from hlserve.study.study_report import report
+    from hlserve.study.study_report import report, write_tiers
 
+    tiers = parse_tiers(args.slo_tiers) if args.slo_tiers else DEFAULT_TIERS
+    if args.tiers_only:
+        for p in write_tiers(Path(args.out), tiers):
+            print(f"wrote {p}")
+        return
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     spec = StudySpec(
         hardware=args.hardware, tp=args.tp, model=args.model, contexts=tuple(ints(args.contexts)),
@@ -220,7 +232,7 @@ def cmd_study(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if not args.report_only:
         run_study(spec, out, jobs=args.jobs, progress=True, repeats=args.repeats, ray=args.ray)
-    paths = report(out)
+    paths = report(out, tiers_=tiers)
     if args.report:
         from hlserve.html_report import write_report
 

@@ -245,6 +245,9 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     parent: int | None  # the earlier request this one continues (its session), if any
+    # seconds from the end of the session's previous request to this one's start (a trace
+    # that records its tool time as a delay: AIPerf's, inference-perf's); None: not recorded
+    delay: float | None = None
 
 
 class MooncakeTrace:
@@ -262,34 +265,48 @@ class MooncakeTrace:
         A request continues the latest earlier request whose full-block hash ids (at least
         ``min_chain_blocks`` of them, so that the shared system block alone does not chain
         everything) begin its own."""
-        rows = []
         with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                r = json.loads(line)
-                t = r["timestamp"] / 1000.0
-                if t < start:
-                    continue
-                if duration is not None and t >= start + duration:
-                    break
-                rows.append(r)
-                if limit is not None and len(rows) >= limit:
-                    break
+            rows = [json.loads(line) for line in f if line.strip()]
+        return cls.from_rows(rows, limit, start, duration, vocab, seed, min_chain_blocks)
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], limit: int | None = None, start: float = 0.0,
+                  duration: float | None = None, vocab: tuple[int, int] = (3, 4096),
+                  seed: int = 0, min_chain_blocks: int = 2) -> MooncakeTrace:
+        """The trace of Mooncake rows (``timestamp`` ms, ``input_length``, ``output_length``,
+        ``hash_ids``), sliced as :meth:`load` says. A row with a ``parent`` (a row index:
+        a trace whose sessions are explicit, :mod:`hlserve.driver.trace_formats`) continues
+        it, and its ``delay`` (ms) is kept; the others chain by their hash ids."""
+        kept: list[dict] = []
+        for r in rows:
+            t = r["timestamp"] / 1000.0
+            if t < start:
+                continue
+            if duration is not None and t >= start + duration:
+                break
+            kept.append(r)
+            if limit is not None and len(kept) >= limit:
+                break
+        index = {id(r): i for i, r in enumerate(kept)}
         requests: list[TraceRequest] = []
         by_prefix: dict[tuple[int, ...], int] = {}
-        for i, r in enumerate(rows):
+        for i, r in enumerate(kept):
             h = tuple(r["hash_ids"])
             parent = None
-            for k in range(len(h), min_chain_blocks - 1, -1):
-                parent = by_prefix.get(h[:k])
-                if parent is not None:
-                    break
-            full = h[: r["input_length"] // BLOCK]
-            if len(full) >= min_chain_blocks:
-                by_prefix[full] = i
+            if "parent" in r:  # explicit: the row it continues, if kept
+                parent = None if r["parent"] is None else index.get(id(rows[r["parent"]]))
+            else:
+                for k in range(len(h), min_chain_blocks - 1, -1):
+                    parent = by_prefix.get(h[:k])
+                    if parent is not None:
+                        break
+                full = h[: r["input_length"] // BLOCK]
+                if len(full) >= min_chain_blocks:
+                    by_prefix[full] = i
+            delay = r.get("delay")
             requests.append(TraceRequest(i, r["timestamp"] / 1000.0 - start, r["input_length"],
-                                         r["output_length"], h, parent))
+                                         r["output_length"], h, parent,
+                                         None if delay is None else delay / 1000.0))
         return cls(requests, vocab, seed)
 
     def __len__(self) -> int:
@@ -429,6 +446,9 @@ class TraceSession:
     tool_time: ToolTime = NO_TOOL_TIME
     tool_rng: random.Random = field(default_factory=lambda: random.Random(0))
     gaps: list[float] = field(default_factory=list)  # recorded seconds from round r to r + 1
+    # True: the gaps are the pauses themselves (a trace's recorded delays, from a round's
+    # end); False: start-to-start gaps that include the round's own serving
+    gaps_are_delays: bool = False
 
     @property
     def done(self) -> bool:
@@ -452,7 +472,8 @@ class TraceSession:
         from the round just completed to the next, less ``served`` (the seconds the replay
         took to serve that round: the trace's gap includes its own serving), at least 0."""
         if self.tool_time.kind == "recorded":
-            return max(0.0, self.gaps[self.round - 1] - served)
+            gap = self.gaps[self.round - 1]
+            return max(0.0, gap if self.gaps_are_delays else gap - served)
         return draw_pause(self.tool_time, self.tool_rng)
 
 
@@ -499,10 +520,12 @@ def trace_sessions(st: ScaledTrace, sessions: int, max_rounds: int | None = None
         if len(spec) < min_rounds:
             continue
         kept = chain[:len(spec)]
-        gaps = [(reqs[b].timestamp - reqs[a].timestamp) / time_scale
-                for a, b in itertools.pairwise(kept)]
+        delays = all(reqs[b].delay is not None for b in kept[1:])
+        gaps = [(reqs[b].delay if delays else reqs[b].timestamp - reqs[a].timestamp)
+                / time_scale for a, b in itertools.pairwise(kept)]
         out.append(TraceSession(len(out), spec, st.prompt(reqs[chain[0]]),
                                 random.Random(st.trace.seed * 7919 + chain[0]),
                                 st.trace.vocab, min_new, tool_time=tool_time,
-                                tool_rng=tool_rng(st.trace.seed, len(out)), gaps=gaps))
+                                tool_rng=tool_rng(st.trace.seed, len(out)), gaps=gaps,
+                                gaps_are_delays=delays))
     return out

@@ -11,9 +11,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hlserve.driver.tiers import DEFAULT_TIERS, Tier, tier_rows, tier_table
 from hlserve.study import seeds
 from hlserve.study.core import (
     ABLATIONS,
+    METRIC,
     PRODUCTION_SLO,
     STRICT_SLO,
     SWEEPS,
@@ -34,15 +36,52 @@ def plots(groups: dict[tuple[int, int], list[dict[str, Any]]], out: Path) -> lis
     return [*plot_frontiers(groups, out), plot_tax(groups, out), plot_components(groups, out)]
 
 
-def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, STRICT_SLO)) -> list[Path]:
-    """Frontier plots, tax plot, markdown table and summary.json from the stored points."""
+def tiers(recs: list[dict[str, Any]], tiers: tuple[Tier, ...] = DEFAULT_TIERS,
+          ) -> dict[str, list[dict[str, Any]]]:
+    """Agents per node at each SLO tier (:mod:`hlserve.driver.tiers`), per context: each
+    configuration over the concurrencies it was run at, on the window throughput."""
+    by_ctx: dict[int, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_ctx.setdefault(r["point"]["context"], []).append(r)
+    return {str(ctx): tier_rows(rs, tiers, METRIC) for ctx, rs in sorted(by_ctx.items())}
+
+
+def tiers_markdown(rows: dict[str, list[dict[str, Any]]],
+                   tiers: tuple[Tier, ...] = DEFAULT_TIERS) -> str:
+    lines = ["# Agents per node at SLO tiers", "",
+             "Per tier (p99 TTFT / p99 TPOT), the most concurrent sessions a configuration "
+             "serves while meeting it, its window throughput there, and the tax against the "
+             "tier none (its throughput at the most sessions it served at all). The last row "
+             "is the node's: the configuration serving the most sessions at each tier.", ""]
+    for ctx, rs in rows.items():
+        lines += [f"## Context {int(ctx) // 1024}K", "", tier_table(rs, tiers), ""]
+    return "\n".join(lines)
+
+
+def write_tiers(out: Path, tiers_: tuple[Tier, ...] = DEFAULT_TIERS) -> list[Path]:
+    """``tiers.md`` and ``tiers.json`` from the stored points alone (``hlserve study --out DIR
+    --tiers-only``): the tier table, without rewriting the rest of the report."""
+    recs = load_points(Path(out))
+    if not recs:
+        raise FileNotFoundError(f"no study points in {Path(out) / 'points'}")
+    rows = tiers(recs, tiers_)
+    md, js = Path(out) / "tiers.md", Path(out) / "tiers.json"
+    md.write_text(tiers_markdown(rows, tiers_))
+    js.write_text(json.dumps(rows, indent=1) + "\n")
+    return [md, js]
+
+
+def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, STRICT_SLO),
+           tiers_: tuple[Tier, ...] = DEFAULT_TIERS) -> list[Path]:
+    """Frontier plots, tax plot, markdown table, the tier table and summary.json from the
+    stored points."""
     out = Path(out)
     recs = load_points(out)
     if not recs:
         raise FileNotFoundError(f"no study points in {out / 'points'}")
     groups = group(recs)
     paths = plots(groups, out)
-    summary: dict[str, Any] = {"slos": [], "components": {}}
+    summary: dict[str, Any] = {"slos": [], "components": {}, "tiers": tiers(recs, tiers_)}
     for (ctx, n), rs in sorted(groups.items()):
         for ttft, tpot in slos:
             tax, bc, bu = human_tax(rs, ttft, tpot)
@@ -73,7 +112,7 @@ def report(out: Path, slos: tuple[tuple[float, float], ...] = (PRODUCTION_SLO, S
     sp.write_text(json.dumps(summary, indent=1))
     tp = out / "table.md"
     tp.write_text(markdown(groups, summary))
-    return [*paths, sp, tp, *seeds.report(out)]
+    return [*paths, sp, tp, *write_tiers(out, tiers_), *seeds.report(out)]
 
 
 def _pct(x: float | None) -> str:
