@@ -3,7 +3,6 @@ of a batch's constrained rows applied to their logits."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -14,6 +13,7 @@ import torch
 
 from hlserve.errors import InvalidRequestError
 from hlserve.structured.params import StructuredOutputsParams
+from hlserve.structured.strict import closed_schema_text
 
 CACHE_SIZE = 512  # compiled grammars kept (LRU), keyed by the spec's text
 # ... and the bytes they may hold. llguidance does not report a matcher's size, so an entry
@@ -73,10 +73,13 @@ class GrammarState:
 class GrammarCompiler:
     """Compiles specs against one tokenizer and vocabulary. Thread-safe: the server compiles
     in its handlers (a bad schema is a 400 before the engine sees it), the engine thread
-    hits the cache."""
+    hits the cache. ``close_objects``: a JSON schema's omitted ``additionalProperties`` means
+    false (vLLM's default reading, :mod:`hlserve.structured.strict`); False, JSON Schema's."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int],
+                 close_objects: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.close_objects = close_objects
         self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                            eos_token=sorted(eos_ids))
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
@@ -85,14 +88,15 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher of the spec's grammar; raises InvalidRequestError if it is invalid."""
-        key = spec.key()
+        kind, text, compact, closed = spec.key()
+        key = (kind, text, compact, closed or self.close_objects)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit.deep_copy()
         try:
-            matcher = llguidance.LLMatcher(self._tok, grammar_text(spec), log_level=0)
+            matcher = llguidance.LLMatcher(self._tok, grammar_text(key), log_level=0)
         except InvalidRequestError:
             raise
         except Exception as e:  # whatever the engine raises on a spec is the spec's fault
@@ -160,10 +164,13 @@ def spec_charge(key: tuple) -> int:
     return max(1, len(key[1])) * BYTES_PER_SPEC_CHAR
 
 
-def grammar_text(spec: StructuredOutputsParams) -> str:
-    kind, text, compact = spec.key()
+def grammar_text(key: tuple[str, str, bool, bool]) -> str:
+    """llguidance's grammar of a cache key: (kind, text, compact, objects closed)."""
+    kind, text, compact, closed = key
     try:
         if kind == "json":
+            if closed:  # llguidance has no option for it: the schema is rewritten
+                text = closed_schema_text(text)
             options = {"whitespace_flexible": not compact}
             return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options)
         if kind == "regex":
@@ -171,7 +178,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if kind == "choice":
             return llguidance.grammar_from("choice", text)
         return llguidance.grammar_from("grammar", text)
-    except (ValueError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise InvalidRequestError(f"invalid {kind} for structured output: {e}") from None
 
 
