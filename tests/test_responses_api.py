@@ -129,6 +129,25 @@ def test_structured_text_format(client: openai.OpenAI) -> None:
     assert r.output_text.lstrip().startswith("{")
 
 
+def test_omitted_additional_properties_means_none(client: openai.OpenAI) -> None:
+    """text.format json_schema and a forced function's parameters, both leaving
+    additionalProperties out: the output has the declared key and no other, as vLLM's
+    default backend gives (sampled: a permissive grammar lets the random model add keys)."""
+    one = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                  "maximum": 9}}, "required": ["a"]}
+    tool = {"type": "function", "name": "one", "parameters": one}
+    for seed in range(6):
+        kw: dict[str, Any] = {"model": MODEL, "input": "one key", "temperature": 1.0,
+                              "max_output_tokens": 40, "extra_body": {"seed": seed}}
+        r = client.responses.create(**kw, text={"format": {"type": "json_schema",
+                                                           "name": "one", "schema": one}})
+        assert r.status == "completed" and set(json.loads(r.output_text)) == {"a"}, r.output_text
+        r = client.responses.create(**kw, tools=[tool],
+                                    tool_choice={"type": "function", "name": "one"})
+        call = r.output[-1]
+        assert call.type == "function_call" and set(json.loads(call.arguments)) == {"a"}, call
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"tools": [{"type": "web_search"}]}, "tools", "hosted tool"),
     ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools",

@@ -193,6 +193,39 @@ def test_required_tool_choice(client: openai.OpenAI) -> None:
         check_calls(r.choices[0].message.tool_calls, TOOL_SCHEMAS)
 
 
+# an object of one declared key and no word on additionalProperties: vLLM's default backend
+# allows no other key, and so does this server. A logit_bias towards ',' and '"' makes the
+# random model reach for another key at once wherever the grammar lets it
+ONE_KEY = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                  "maximum": 9}}, "required": ["a"]}
+
+
+def test_omitted_additional_properties_means_none_in_every_path(
+        client: openai.OpenAI, tiny_model_dirs: dict[str, Path]) -> None:
+    tok = Tokenizer.from_dir(tiny_model_dirs["qwen2"])
+    assert tok is not None
+    bias = {str(tok.encode(t, add_special_tokens=False)[0]): b for t, b in ((",", 8), ('"', 6))}
+    one = [{"type": "function", "function": {"name": "one", "parameters": ONE_KEY}}]
+    paths = {
+        "response_format": {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "one", "schema": ONE_KEY}}},
+        "guided_json": {"extra_body": {"guided_json": ONE_KEY}},
+        "structured_outputs": {"extra_body": {"structured_outputs": {"json": ONE_KEY}}},
+        "named tool": {"tools": one, "tool_choice": {"type": "function",
+                                                     "function": {"name": "one"}}},
+        "required tool": {"tools": one, "tool_choice": "required",
+                          "parallel_tool_calls": False},
+    }
+    for path, kw in paths.items():
+        for i in (0, 1):
+            r = chat(client, "one key", max_tokens=40, logit_bias=bias, **kw, **sampling(i))
+            c = r.choices[0]
+            text = c.message.tool_calls[0].function.arguments if c.message.tool_calls \
+                else c.message.content
+            assert c.finish_reason in ("stop", "tool_calls"), (path, i, text)
+            assert set(json.loads(text)) == {"a"}, (path, i, text)
+
+
 def test_forced_call_outranks_response_format(client: openai.OpenAI) -> None:
     """As vLLM: tool_choice required (or named) with a response_format answers the call (the
     tools' grammar); the format is for a text answer, which a forced call has not. The

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hlserve.errors import InvalidRequestError
 from hlserve.request import REQUEST_CLASSES
+from hlserve.structured.strict import StructuredOutputsConfig
 
 # the size knobs whose None means "no cap" (the other optional ints mean "derive it": num_pages
 # from kv_cache_gb, max_model_len from the model, budget_max from the KV pool)
@@ -174,6 +175,10 @@ class EngineConfig:
     # k chosen per step from measured acceptance and step cost (engine/spec_adaptive.py);
     # False: num_speculative_tokens every step. Throughput mode's preset turns it on
     speculative_adaptive: bool = False
+    # structured outputs (structured/strict.py): vLLM's --structured-outputs-config, parsed
+    # once where it comes in; the default reads JSON schemas as vLLM's default backend does
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
     # checking: verify KV accounting after every step (tests turn this on)
     check_invariants: bool = False
 
@@ -197,6 +202,9 @@ class EngineConfig:
             raise TypeError("speculative_config must be a SpeculativeConfig (engine/args.py:"
                             f"make_config parses JSON text or a dict), got "
                             f"{type(self.speculative_config).__name__}")
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            raise TypeError("structured_outputs_config must be a StructuredOutputsConfig "
+                            "(engine/args.py:make_config parses JSON text or a dict)")
         if not 0 < self.two_stage_low < self.two_stage_high <= 1:
             raise ValueError("need 0 < two_stage_low < two_stage_high <= 1")
         if not 0 < self.ema_alpha <= 1:

@@ -4,7 +4,8 @@ an :class:`EngineConfig` (:func:`make_config`: presets expanded for a device, ex
 winning).
 
 A flag's text becomes its typed value once, where argparse reads it (:func:`cap_flag` for a
-cap, :func:`parse_speculative_config` for ``--speculative-config``); from there the value
+cap, :func:`parse_speculative_config` for ``--speculative-config``,
+:func:`parse_structured_outputs_config` for ``--structured-outputs-config``); from there the value
 travels unchanged into the config. An option is explicit when its key is present, whatever
 its value: a flag not given is absent from the namespace (``argparse.SUPPRESS``), a flag given
 ``none`` is None, and None laid over a preset's cap removes it. In Python the same holds for a
@@ -26,6 +27,7 @@ from hlserve.config import (
     REQUEST_CLASSES,
     EngineConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     parse_cap,
 )
 from hlserve.engine.policies.names import check_policy_names, policy_names
@@ -78,6 +80,11 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
     "speculative_adaptive": (["--speculative-adaptive"], "on: k chosen per step (0..k) from "
                              "the measured acceptance per position and step cost; off: "
                              "num_speculative_tokens every step (throughput mode: on)"),
+    "structured_outputs_config": (["--structured-outputs-config"], "vLLM's JSON: "
+                                  "'{\"backend\": \"auto\" | \"guidance\", "
+                                  "\"disable_additional_properties\": bool}'; auto: a schema's "
+                                  "omitted additionalProperties means false (vLLM's default "
+                                  "backend); guidance: JSON Schema's permissive reading"),
     "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
     "budget_min": (["--budget-min"], "EMA budget floor"),
     "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
@@ -134,6 +141,28 @@ def parse_speculative_config(spec: Any) -> SpeculativeConfig | None:
         raise ValueError(f"--speculative-config: {e}") from None
 
 
+def parse_structured_outputs_config(spec: Any) -> StructuredOutputsConfig:
+    """vLLM's structured outputs config (JSON text, a dict or a
+    :class:`StructuredOutputsConfig`), parsed and checked once where it comes in; ValueError
+    saying what is wrong (a start-up error) if hlserve does not implement what it asks."""
+    if isinstance(spec, StructuredOutputsConfig):
+        return spec
+    try:
+        return StructuredOutputsConfig.parse(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--structured-outputs-config is not valid JSON ({e}): "
+                         f"{spec!r}") from None
+    except (InvalidRequestError, TypeError) as e:
+        raise ValueError(f"--structured-outputs-config: {e}") from None
+
+
+def _structured_flag(text: str) -> StructuredOutputsConfig:
+    try:
+        return parse_structured_outputs_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _speculative_flag(text: str) -> SpeculativeConfig | None:
     try:
         return parse_speculative_config(text)
@@ -154,6 +183,8 @@ def on_off(text: str) -> bool:
 def _flag_type(name: str, default: Any) -> Any:
     if name == "speculative_config":
         return _speculative_flag
+    if name == "structured_outputs_config":
+        return _structured_flag
     if isinstance(default, bool):
         return on_off
     if name in ("max_step_seconds", "session_ttl"):
@@ -175,6 +206,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         shown = "none" if default is None and name in CAP_KNOBS else default
         if isinstance(default, bool):
             shown = "on" if default else "off"
+        if name == "structured_outputs_config":
+            shown = '{"backend": "auto"}'
         if name in CAP_KNOBS and "'none'" not in help_text:
             help_text += "; 'none': no cap"
         group.add_argument(*flags, dest=name, type=_flag_type(name, default),
@@ -222,6 +255,9 @@ def make_config(model: str, *, device_info: DeviceInfo | None = None,
     given = {k: v for k, v in options.items() if k not in ("mode", "preset")}
     if "speculative_config" in given:
         given["speculative_config"] = parse_speculative_config(given["speculative_config"])
+    if "structured_outputs_config" in given:
+        given["structured_outputs_config"] = parse_structured_outputs_config(
+            given["structured_outputs_config"])
     knobs = preset_knobs(options.get("mode"), options.get("preset"),
                          options.get("device", "auto"), device_info)
     config = EngineConfig(model=str(model), **{**knobs, **given})

@@ -94,9 +94,10 @@ class Engine:
                     if self.tokenizer is None:
                         raise InvalidRequestError("structured outputs need a tokenizer; this "
                                                   "model has none")
+                    closes = self.config.structured_outputs_config.closes_objects
                     self._grammars = GrammarCompiler(self.tokenizer.to_json(),
                                                      self.model_config.vocab_size,
-                                                     self.default_eos)
+                                                     self.default_eos, close_objects=closes)
         return self._grammars
 
     # ---- intake -------------------------------------------------------------------------

@@ -3,7 +3,8 @@ of a batch's constrained rows applied to their logits."""
 
 from __future__ import annotations
 
-import json
+import ctypes
+import ctypes.util
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -14,17 +15,60 @@ import torch
 
 from hlserve.errors import InvalidRequestError
 from hlserve.structured.params import StructuredOutputsParams
+from hlserve.structured.strict import closed_schema_text
 
 CACHE_SIZE = 512  # compiled grammars kept (LRU), keyed by the spec's text
-# ... and the bytes they may hold. llguidance does not report a matcher's size, so an entry
-# is charged by its spec's length: a 495K-character regex alternation grew the process by
-# 33 MB once compiled and probed (67 B a character; JSON schemas and choices far less), so
-# 128 B a character bounds every kind measured. A spec charged over a quarter of the budget
-# is compiled per request and freed with it instead of being kept.
+# ... and the bytes they may hold. llguidance does not report a matcher's size, and a spec's
+# length is a poor proxy (per character, a compiled and probed literal run holds ~620 B, an
+# alternation ~70 B, a JSON schema ~20 B), so an entry is charged what the heap grew by while
+# it was compiled and probed (:func:`heap_in_use`, glibc's allocator statistics, which see
+# llguidance's Rust allocations). One compile is measured at a time; one compiled while
+# another is measured, or where the statistics are missing, is charged the worst case found
+# per character (WORST_BYTES_PER_SPEC_CHAR), and no entry less than MIN_BYTES_PER_SPEC_CHAR
+# (another thread's frees during a compile can hide its growth). A grammar charged over a
+# quarter of the budget is compiled per request and freed with it instead of being kept.
 CACHE_BYTES = 256 << 20
-BYTES_PER_SPEC_CHAR = 128
+WORST_BYTES_PER_SPEC_CHAR = 1024
+MIN_BYTES_PER_SPEC_CHAR = 16
 PROBE_STEPS = 2  # matcher steps taken at compile time, where llguidance's lazy errors surface
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _mallinfo2() -> object | None:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out (glibc: in-use chunks of every arena plus mmapped
+    ones), or None where the allocator does not say."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()  # type: ignore[operator]
+    return int(info.uordblks + info.hblkhd)
+
+
+def entry_charge(text: str, grown: int | None) -> int:
+    """The bytes a cached grammar is charged: what the heap grew by while it was compiled
+    and probed (None: not measured, the worst case per character), never less than the
+    floor per character, plus its spec's text, which the cache key holds."""
+    chars = max(1, len(text))
+    if grown is None:
+        return chars * WORST_BYTES_PER_SPEC_CHAR + len(text)
+    return max(grown, chars * MIN_BYTES_PER_SPEC_CHAR) + len(text)
 
 
 class GrammarError(RuntimeError):
@@ -73,26 +117,46 @@ class GrammarState:
 class GrammarCompiler:
     """Compiles specs against one tokenizer and vocabulary. Thread-safe: the server compiles
     in its handlers (a bad schema is a 400 before the engine sees it), the engine thread
-    hits the cache."""
+    hits the cache. ``close_objects``: a JSON schema's omitted ``additionalProperties`` means
+    false (vLLM's default reading, :mod:`hlserve.structured.strict`); False, JSON Schema's."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int],
+                 close_objects: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.close_objects = close_objects
         self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                            eos_token=sorted(eos_ids))
-        self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        # key -> (matcher, its charge)
+        self._cache: OrderedDict[tuple, tuple[llguidance.LLMatcher, int]] = OrderedDict()
         self._bytes = 0  # the charge of what _cache holds (see CACHE_BYTES)
         self._lock = threading.Lock()
+        self._measuring = threading.Lock()  # held by the one compile being measured
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher of the spec's grammar; raises InvalidRequestError if it is invalid."""
-        key = spec.key()
+        kind, text, compact, closed = spec.key()
+        key = (kind, text, compact, closed or self.close_objects)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit.deep_copy()
+                return hit[0].deep_copy()
+        measured = self._measuring.acquire(blocking=False)
         try:
-            matcher = llguidance.LLMatcher(self._tok, grammar_text(spec), log_level=0)
+            before = heap_in_use() if measured else None
+            matcher = self._build(key)
+            after = heap_in_use() if before is not None else None
+        finally:
+            if measured:
+                self._measuring.release()
+        grown = None if before is None or after is None else after - before
+        self._keep(key, matcher, entry_charge(key[1], grown))
+        return matcher.deep_copy()
+
+    def _build(self, key: tuple) -> llguidance.LLMatcher:
+        """The compiled and probed matcher of a cache key; InvalidRequestError if invalid."""
+        try:
+            matcher = llguidance.LLMatcher(self._tok, grammar_text(key), log_level=0)
         except InvalidRequestError:
             raise
         except Exception as e:  # whatever the engine raises on a spec is the spec's fault
@@ -102,23 +166,21 @@ class GrammarCompiler:
                                       f"{short_error(matcher.get_error())}")
         if (why := self._probe(matcher.deep_copy())) is not None:
             raise InvalidRequestError(f"invalid {key[0]} for structured output: {why}")
-        self._keep(key, matcher)
-        return matcher.deep_copy()
+        return matcher
 
-    def _keep(self, key: tuple, matcher: llguidance.LLMatcher) -> None:
+    def _keep(self, key: tuple, matcher: llguidance.LLMatcher, charge: int) -> None:
         """Cache a compiled matcher within CACHE_SIZE entries and CACHE_BYTES, evicting the
         least recently used; one too large for a quarter of the budget is not kept."""
-        charge = spec_charge(key)
         if charge > CACHE_BYTES // 4:
             return
         with self._lock:
             if key in self._cache:  # compiled twice at once: keep one
                 return
-            self._cache[key] = matcher
+            self._cache[key] = (matcher, charge)
             self._bytes += charge
             while len(self._cache) > CACHE_SIZE or self._bytes > CACHE_BYTES:
-                old, _ = self._cache.popitem(last=False)
-                self._bytes -= spec_charge(old)
+                _, (_, old_charge) = self._cache.popitem(last=False)
+                self._bytes -= old_charge
 
     def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
         """Why the grammar cannot be matched, or None: its first PROBE_STEPS steps (mask, then
@@ -155,15 +217,13 @@ class GrammarCompiler:
         return self._bytes
 
 
-def spec_charge(key: tuple) -> int:
-    """The bytes a cached grammar is charged: its spec's text times BYTES_PER_SPEC_CHAR."""
-    return max(1, len(key[1])) * BYTES_PER_SPEC_CHAR
-
-
-def grammar_text(spec: StructuredOutputsParams) -> str:
-    kind, text, compact = spec.key()
+def grammar_text(key: tuple[str, str, bool, bool]) -> str:
+    """llguidance's grammar of a cache key: (kind, text, compact, objects closed)."""
+    kind, text, compact, closed = key
     try:
         if kind == "json":
+            if closed:  # llguidance has no option for it: the schema is rewritten
+                text = closed_schema_text(text)
             options = {"whitespace_flexible": not compact}
             return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options)
         if kind == "regex":
@@ -171,7 +231,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if kind == "choice":
             return llguidance.grammar_from("choice", text)
         return llguidance.grammar_from("grammar", text)
-    except (ValueError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise InvalidRequestError(f"invalid {kind} for structured output: {e}") from None
 
 

@@ -26,7 +26,12 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace`` (vLLM's name) defaults to True here, unlike vLLM: free
     whitespace in JSON lets a model whose weights favour it emit spaces until ``max_tokens``
-    and never finish. The output is still JSON, only compact."""
+    and never finish. The output is still JSON, only compact.
+
+    ``disable_additional_properties`` (vLLM's name): True closes this request's objects
+    (an omitted ``additionalProperties`` means false) whatever the server's reading; False,
+    the default, leaves the server's (``--structured-outputs-config``; closed by default,
+    as vLLM's default backend)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -34,6 +39,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
@@ -66,6 +72,9 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise InvalidRequestError("structured_outputs.disable_additional_properties must be "
+                                      "true or false")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object "
                                       "or its text)")
@@ -73,10 +82,10 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"the structured output spec is over {MAX_SPEC_CHARS} "
                                       "characters")
 
-    def key(self) -> tuple[str, str, bool]:
-        """(kind, text, compact): what the compiled grammar is cached under."""
+    def key(self) -> tuple[str, str, bool, bool]:
+        """(kind, text, compact, closed): what the compiled grammar is cached under."""
         kind, text = self._spec()
-        return kind, text, self.disable_any_whitespace
+        return kind, text, self.disable_any_whitespace, self.disable_additional_properties
 
     def _spec(self) -> tuple[str, str]:
         if self.json is not None:

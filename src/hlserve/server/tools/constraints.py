@@ -13,10 +13,9 @@ from hlserve.structured import StructuredOutputsParams
 GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
           ("guided_grammar", "grammar"))
 STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object",
-                             "disable_any_whitespace"})
+                             "disable_any_whitespace", "disable_additional_properties"})
 # vLLM's keys that change nothing here when left at their defaults
-NEUTRAL_KEYS = {"disable_fallback": False, "disable_additional_properties": False,
-                "whitespace_pattern": None, "structural_tag": None}
+NEUTRAL_KEYS = {"disable_fallback": False, "whitespace_pattern": None, "structural_tag": None}
 
 
 def _spec(param: str, **fields: Any) -> StructuredOutputsParams:
