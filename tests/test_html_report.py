@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from hlserve.cli import main
+from hlserve.driver.tiers import BEST
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDY = ROOT / "docs" / "study" / "h20"
@@ -53,6 +54,7 @@ class Dom(HTMLParser):
         self.errors = ""
         self.charts: list[dict] = []
         self._in_errors = False
+        self.text = text
         self.feed(text)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -171,6 +173,18 @@ def test_study_report_in_a_browser(tmp_path: Path) -> None:
     tips = [i["data-tip"] for c in charts for i in c["items"]]
     assert all("sessions" in t and "options: " in t for t in tips)
     assert any(t.startswith("sarathi C=B=512 @ 16\nsarathi, knob 512, context 8192") for t in tips)
+    # the tier table per context: the node's production tier as `study --tiers-only` wrote it
+    stored = json.loads((STUDY / "tiers.json").read_text())
+    for ctx in ("32768", "65536"):
+        node = next(r for r in stored[ctx] if r["config"] == BEST and r["tier"] == "production")
+        cell = "none meets it" if node["sessions"] is None else (
+            f"{node['sessions']} sessions, {node['throughput']:,.0f}, "
+            f"tax {100 * node['tax_vs_none']:.0f}%")
+        assert cell in dom.text.split('id="tiers"')[1]
+    tier_html = dom.text.split('id="tiers"')[1].split("<section")[0]
+    configs = {r["config"] for rows in stored.values() for r in rows}
+    assert " @ " not in tier_html  # a row per configuration, its concurrencies pooled
+    assert tier_html.count("<tr>") == len(stored) * (len(configs) + 1)  # + a head per context
 
 
 def test_study_report_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -311,7 +311,9 @@ def from_study(out: Path) -> ReportData:
                       key=lambda r: (r["point"]["sessions"], r["label"]))
         pts = []
         for r in here:
-            rec = {**r, "label": f"{r['label']} @ {r['point']['sessions']}"}
+            # the label drawn names the concurrency; the configuration's own is kept for tiers
+            rec = {**r, "label": f"{r['label']} @ {r['point']['sessions']}",
+                   "config_label": r["label"]}
             pt = Pt(rec, f"{r['point']['sessions']} sessions", ())
             pts.append(Pt(rec, pt.series, study_config(rec) + tuple(metric_lines(pt, METRIC))))
         groups.append(Group(_ctx(ctx), tuple(pts), marks))

@@ -11,11 +11,13 @@ browser's test reads back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from html import escape
 from pathlib import Path
 
-from hlserve.html_report.model import ReportData, Table
+from hlserve.driver.tiers import BEST, DEFAULT_TIERS, tier_rows
+from hlserve.html_report.model import ReportData, Table, fmt
 from hlserve.html_report.svg import colors, dist_chart, frontier_chart
 
 
@@ -99,9 +101,38 @@ def section_settings(data: ReportData) -> str:
     return f"<h3>Settings</h3>{dl(data.settings)}<h3>Machine</h3>{dl(data.machine)}"
 
 
+def section_tiers(data: ReportData) -> str:
+    """Agents per node at SLO tiers (:mod:`hlserve.driver.tiers`), per frontier group: the most
+    sessions each configuration serves within each tier, the throughput there, the tax."""
+    out = []
+    for g in data.groups:
+        recs = [{**p.record, "label": p.record.get("config_label", p.label)} for p in g.points]
+        rows = tier_rows(recs, DEFAULT_TIERS, data.metric)
+        if not rows:
+            continue
+        cells: dict[str, dict[str, str]] = {}
+        for r in rows:
+            text = "none meets it" if r["sessions"] is None else \
+                f"{r['sessions']} sessions, {fmt(r['throughput'])}"
+            if r["sessions"] is not None and r["tier"] != "none" and \
+                    math.isfinite(r["tax_vs_none"]):
+                text += f", tax {100 * r['tax_vs_none']:.0f}%"
+            cells.setdefault(r["config"], {})[r["tier"]] = text
+        head = ("config", *(f"{t.name} ({t.describe()})" for t in DEFAULT_TIERS))
+        body = tuple((c, *(by.get(t.name, "—") for t in DEFAULT_TIERS))
+                     for c, by in sorted(cells.items(), key=lambda kv: kv[0] == BEST))
+        out.append(table_html(Table(g.name, head, body)))
+    if not out:
+        return '<p class="note">No point of this result names its concurrency.</p>'
+    return ('<p class="note">Per tier (p99 TTFT / p99 TPOT): the most concurrent sessions a '
+            "configuration serves meeting it, its throughput there, and the tax against no "
+            "target.</p>" + "".join(out))
+
+
 SECTIONS: list[tuple[str, str, Callable[[ReportData], str]]] = [
     ("frontier", "Frontier", section_frontier),
     ("tax", "Human tax", section_tax),
+    ("tiers", "Agents per node at SLO tiers", section_tiers),
     ("points", "Points", section_points),
     ("distributions", "Latency distributions", section_distributions),
     ("settings", "Settings and machine", section_settings),
