@@ -3,7 +3,9 @@ already holds (no draft model), behind one interface.
 
 - ``NgramSpeculator``: vLLM's ``ngram`` method (prompt lookup). The longest suffix of the
   request's context of length ``prompt_lookup_min..prompt_lookup_max`` that occurred earlier in
-  that context proposes the tokens that followed its most recent earlier occurrence.
+  that context proposes the tokens that followed its earliest occurrence (vLLM's choice: on
+  repetitive text the most recent one ends right before the context does, and so drafts one
+  token; the earliest has the most tokens after it).
 - ``SuffixSpeculator``: SuffixDecoding's idea. Count tries of every substring (up to a depth)
   over the request's own context and over the outputs of recent requests; the longest suffix of
   the context found in a trie is walked on by its most frequent continuation while the
@@ -131,10 +133,10 @@ class NgramSpeculator(Speculator):
 class NgramIndex:
     """One context's ``nmin``-grams, each with the positions where it ends, in order; only
     the tokens appended since the last call are read. :meth:`propose` gives what
-    :func:`ngram_propose` gives (the longest match in ``nmin..nmax``, its most recent earlier
+    :func:`ngram_propose` gives (the longest match in ``nmin..nmax``, its earliest
     occurrence), from the occurrences of the context's last ``nmin`` tokens: a match of n
     tokens ends with them, so each occurrence is extended backwards and the longest (then the
-    latest) wins."""
+    earliest) wins."""
 
     def __init__(self, nmin: int) -> None:
         self.nmin = nmin
@@ -213,7 +215,7 @@ class NgramIndex:
         occurrences = [at] if type(at) is int else at
         cap = min(nmax, size - 1)
         best, best_end = 0, -1
-        for e in reversed(occurrences):
+        for e in occurrences:  # earliest first: the first to reach a length keeps it
             m = n  # tokens e-m+1..e equal the last m tokens
             while m < cap and m <= e and t[e - m] == t[size - 1 - m]:
                 m += 1
@@ -225,17 +227,18 @@ class NgramIndex:
 
 
 def ngram_propose(context: Sequence[int], k: int, nmin: int, nmax: int) -> list[int]:
-    """The tokens after the most recent earlier occurrence of the longest matching suffix: the
-    definition, by a scan of the context (the reference :class:`NgramIndex` is tested
-    against)."""
+    """The tokens after the earliest occurrence of the longest matching suffix (vLLM's
+    ``_find_longest_matched_ngram_and_propose_tokens``): the definition, by a scan of the
+    context (the reference :class:`NgramIndex` is tested against)."""
     tokens = list(context)
     size = len(tokens)
     if k <= 0:
         return []
     for n in range(min(nmax, size - 1), nmin - 1, -1):
         suffix = tokens[size - n:]
-        # Most recent earlier occurrence first: a nearby copy is likelier to continue.
-        for start in range(size - n - 1, -1, -1):
+        # Earliest occurrence first, as vLLM: the most recent of a repeating run ends just
+        # before the context and leaves one token to draft.
+        for start in range(size - n):
             if tokens[start:start + n] == suffix:
                 follow = tokens[start + n:start + n + k]
                 if follow:
