@@ -27,6 +27,8 @@ import numpy as np
 SEP = -1  # not a token id
 _RECENT_MIN = 1 << 13  # tokens the small segment may hold before it merges into the large one
 
+_EMPTY = np.empty(0, np.int64)
+
 Sources = list[tuple[np.ndarray, np.ndarray]]  # (buffer, positions in it) per segment
 
 
@@ -61,15 +63,25 @@ def walk_counts(found: Sources, room: int, limit: int, min_prob: float
     while len(out) < min(limit, room):
         nexts = [buf[p + 1] for buf, p in found]
         pooled = np.concatenate(nexts) if len(nexts) > 1 else nexts[0]
-        pooled = pooled[pooled != SEP]
-        if not pooled.size:
-            break
-        values, counts = np.unique(pooled, return_counts=True)
-        i = int(np.argmax(counts))  # the first maximum: the smallest token among equals
-        prob *= int(counts[i]) / int(pooled.size)
+        if pooled.size <= 64:  # the usual few occurrences: a dict is cheaper than np.unique
+            counts: dict[int, int] = {}
+            for t in pooled.tolist():
+                counts[t] = counts.get(t, 0) + 1
+            counts.pop(SEP, None)
+            if not counts:
+                break
+            tok = min(counts, key=lambda t: (-counts[t], t))  # ties: the smallest token
+            count, total = counts[tok], sum(counts.values())
+        else:
+            pooled = pooled[pooled != SEP]
+            if not pooled.size:
+                break
+            values, hits = np.unique(pooled, return_counts=True)
+            i = int(np.argmax(hits))  # the first maximum: the smallest token among equals
+            tok, count, total = int(values[i]), int(hits[i]), int(pooled.size)
+        prob *= count / total
         if prob < min_prob:
             break
-        tok = int(values[i])
         out.append(tok)
         found = [(buf, p[n == tok] + 1) for (buf, p), n in zip(found, nexts, strict=True)]
     return out, prob
@@ -118,9 +130,14 @@ class ContextIndex:
         buf = self.buf
         at = self.where.get(tail[-1])
         if at is None:
-            empty = np.empty(0, np.int64)
-            return buf, empty, empty
-        p1 = np.array([at] if type(at) is int else at, np.int64)  # a copy: ``at`` may grow
+            return buf, _EMPTY, _EMPTY
+        if type(at) is int:  # one occurrence, the common case: no array work
+            if at + 1 >= self.size:  # the context's own last token
+                return buf, _EMPTY, _EMPTY
+            p1 = np.array([at], np.int64)
+            pair = len(tail) >= 2 and int(buf[at - 1]) == tail[-2]
+            return buf, (p1 if pair else _EMPTY), p1
+        p1 = np.array(at, np.int64)  # a copy: ``at`` may grow
         p1 = p1[buf[p1 + 1] != SEP]
         p2 = p1[buf[p1 - 1] == tail[-2]] if len(tail) >= 2 else p1[:0]
         return buf, p2, p1
@@ -168,17 +185,19 @@ class Segment:
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """As :meth:`ContextIndex.candidates`, live (after ``cut``) positions only."""
         last = int(tail[-1]) << 32
-        lo, hi = np.searchsorted(self.keys, (last, last + (1 << 32)))
-        p1 = self.order[lo:hi].astype(np.int64)
-        if len(tail) >= 2:
-            pair = last | (int(tail[-2]) + 1)
-            a, b = np.searchsorted(self.keys[lo:hi], (pair, pair + 1))
-            p2 = p1[a:b]
-        else:
-            p2 = p1[:0]
-        toks = self.tokens
+        pair = last | (int(tail[-2]) + 1) if len(tail) >= 2 else last
+        lo, a, b, hi = np.searchsorted(self.keys, (last, pair, pair + 1, last + (1 << 32))
+                                       ).tolist()
+        if len(tail) < 2:
+            a = b  # no pair to match
+        if lo == hi:
+            return self.tokens, _EMPTY, _EMPTY
+        toks, order = self.tokens, self.order
+        p1 = order[lo:hi].astype(np.int64)
         p1 = p1[(p1 > cut) & (toks[p1 + 1] != SEP)]
-        p2 = p2[(p2 > cut) & (toks[p2 + 1] != SEP)]
+        p2 = order[a:b].astype(np.int64) if b > a else _EMPTY
+        if p2.size:
+            p2 = p2[(p2 > cut) & (toks[p2 + 1] != SEP)]
         return toks, p2, p1
 
     @property
@@ -230,7 +249,8 @@ class SharedIndex:
         self.large, self.cut = self.large.dropped(self.cut), 0
 
     def candidates(self, tail: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        return [self.large.candidates(tail, self.cut), self.small.candidates(tail, 0)]
+        return [seg.candidates(tail, cut) for seg, cut in ((self.large, self.cut), (self.small, 0))
+                if len(seg.tokens) > 1]
 
     def nbytes(self) -> int:
         """The arrays' bytes and the spans' (a deque and an int object each)."""
