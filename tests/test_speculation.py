@@ -47,14 +47,31 @@ def test_config_reads_vllm_fields_and_refuses_the_rest() -> None:
             SpeculativeConfig.parse(bad)
 
 
-def test_ngram_takes_the_longest_match_and_its_most_recent_occurrence() -> None:
+def test_ngram_takes_the_longest_match_and_its_earliest_occurrence() -> None:
+    """vLLM's rule (``_find_longest_matched_ngram_and_propose_tokens``): the longest match,
+    then its earliest occurrence."""
     ctx = [1, 2, 3, 4, 9, 8, 2, 3, 5, 6, 1, 2, 3]
     # "1 2 3" (n=3) occurred at 0 followed by 4 9 8; "2 3" alone would also match at 6 (-> 5).
     assert ngram_propose(ctx, 3, 2, 5) == [4, 9, 8]
-    assert ngram_propose(ctx, 3, 2, 2) == [5, 6, 1]  # n=2 only: the most recent "2 3"
+    assert ngram_propose(ctx, 3, 2, 2) == [4, 9, 8]  # n=2 only: the earliest "2 3", at 1
+    ctx = [5, 6, 7, 5, 6, 8, 5, 6]
+    assert ngram_propose(ctx, 3, 2, 4) == [7, 5, 6]
     assert ngram_propose(ctx, 3, 4, 5) == []  # no 4-gram repeats
     assert ngram_propose([7, 7, 7], 5, 1, 3) == [7]  # the follow is cut at the context's end
     assert ngram_propose(ctx, 0, 1, 3) == []
+
+
+def test_ngram_drafts_k_tokens_on_repetitive_output() -> None:
+    """A run of one token (or a short loop): the most recent occurrence of the suffix ends
+    right before the context and leaves one token to draft, as hlserve did; the earliest
+    (vLLM's) leaves k. The engine's index as the engine calls it, token by token."""
+    spec = NgramSpeculator(2, 4)
+    prompt, output = [3] + [9] * 8, []  # "9 9 9 9" ends at 4..7 before the suffix's own
+    for _ in range(6):
+        assert spec.draft("r", prompt, output, 3) == [9, 9, 9]
+        output.append(9)
+    loop = [4, 5, 6] * 4
+    assert NgramSpeculator(2, 4).draft("s", loop, [], 3) == [4, 5, 6]
 
 
 @settings(max_examples=400, deadline=None)

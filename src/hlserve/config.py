@@ -54,6 +54,7 @@ _SPECULATIVE_FIELDS = {
     "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+    "suffix_decoding_max_cached_bytes",
 }
 
 
@@ -70,6 +71,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # hlserve's own field (vLLM bounds its tree by request count alone): the shared index of
+    # finished outputs held to this many bytes of arrays (16 per token), oldest evicted first
+    suffix_decoding_max_cached_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -87,6 +91,11 @@ class SpeculativeConfig:
                                       "must be positive")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if isinstance(self.suffix_decoding_max_cached_bytes, bool) \
+                or not isinstance(self.suffix_decoding_max_cached_bytes, int) \
+                or self.suffix_decoding_max_cached_bytes < 0:
+            raise InvalidRequestError("suffix_decoding_max_cached_bytes must be an integer >= 0 "
+                                      "(0: no index of finished outputs)")
 
     @classmethod
     def parse(cls, spec: str | Mapping[str, Any]) -> SpeculativeConfig:

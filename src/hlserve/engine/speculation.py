@@ -3,7 +3,9 @@ already holds (no draft model), behind one interface.
 
 - ``NgramSpeculator``: vLLM's ``ngram`` method (prompt lookup). The longest suffix of the
   request's context of length ``prompt_lookup_min..prompt_lookup_max`` that occurred earlier in
-  that context proposes the tokens that followed its most recent earlier occurrence.
+  that context proposes the tokens that followed its earliest occurrence (vLLM's choice: on
+  repetitive text the most recent one ends right before the context does, and so drafts one
+  token; the earliest has the most tokens after it).
 - ``SuffixSpeculator``: SuffixDecoding's idea. Count tries of every substring (up to a depth)
   over the request's own context and over the outputs of recent requests; the longest suffix of
   the context found in a trie is walked on by its most frequent continuation while the
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import overload
 
 from hlserve.config import SpeculativeConfig
+from hlserve.engine.suffix_index import ContextIndex, SharedIndex, longest_match, walk_counts
 
 
 class ContextView(Sequence[int]):
@@ -130,10 +133,10 @@ class NgramSpeculator(Speculator):
 class NgramIndex:
     """One context's ``nmin``-grams, each with the positions where it ends, in order; only
     the tokens appended since the last call are read. :meth:`propose` gives what
-    :func:`ngram_propose` gives (the longest match in ``nmin..nmax``, its most recent earlier
+    :func:`ngram_propose` gives (the longest match in ``nmin..nmax``, its earliest
     occurrence), from the occurrences of the context's last ``nmin`` tokens: a match of n
     tokens ends with them, so each occurrence is extended backwards and the longest (then the
-    latest) wins."""
+    earliest) wins."""
 
     def __init__(self, nmin: int) -> None:
         self.nmin = nmin
@@ -212,7 +215,7 @@ class NgramIndex:
         occurrences = [at] if type(at) is int else at
         cap = min(nmax, size - 1)
         best, best_end = 0, -1
-        for e in reversed(occurrences):
+        for e in occurrences:  # earliest first: the first to reach a length keeps it
             m = n  # tokens e-m+1..e equal the last m tokens
             while m < cap and m <= e and t[e - m] == t[size - 1 - m]:
                 m += 1
@@ -224,17 +227,18 @@ class NgramIndex:
 
 
 def ngram_propose(context: Sequence[int], k: int, nmin: int, nmax: int) -> list[int]:
-    """The tokens after the most recent earlier occurrence of the longest matching suffix: the
-    definition, by a scan of the context (the reference :class:`NgramIndex` is tested
-    against)."""
+    """The tokens after the earliest occurrence of the longest matching suffix (vLLM's
+    ``_find_longest_matched_ngram_and_propose_tokens``): the definition, by a scan of the
+    context (the reference :class:`NgramIndex` is tested against)."""
     tokens = list(context)
     size = len(tokens)
     if k <= 0:
         return []
     for n in range(min(nmax, size - 1), nmin - 1, -1):
         suffix = tokens[size - n:]
-        # Most recent earlier occurrence first: a nearby copy is likelier to continue.
-        for start in range(size - n - 1, -1, -1):
+        # Earliest occurrence first, as vLLM: the most recent of a repeating run ends just
+        # before the context and leaves one token to draft.
+        for start in range(size - n):
             if tokens[start:start + n] == suffix:
                 follow = tokens[start + n:start + n + k]
                 if follow:
@@ -317,8 +321,9 @@ class _RequestTrie:
     seen: int = 0
 
 
-class SuffixSpeculator(Speculator):
-    """SuffixDecoding over the request's own context and recently finished requests' outputs."""
+class TrieSuffixSpeculator(Speculator):
+    """The definition :class:`SuffixSpeculator` is tested against: the same proposals from
+    count tries of Python nodes (~depth nodes per token, ~200 B each; not for serving)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.depth = config.suffix_decoding_max_tree_depth
@@ -372,6 +377,62 @@ class SuffixSpeculator(Speculator):
         while len(self._outputs) > self.max_cached:
             _, old = self._outputs.popitem(last=False)
             self.shared.add(old, sign=-1)
+
+
+class SuffixSpeculator(Speculator):
+    """SuffixDecoding over the request's own context and recently finished requests' outputs,
+    indexed in arrays (engine/suffix_index.py): the proposals of :class:`TrieSuffixSpeculator`
+    at 12-16 bytes per token, the shared index held to ``suffix_decoding_max_cached_bytes``."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.spec_factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.shared: SharedIndex | None = None
+        if config.suffix_decoding_max_cached_requests > 0 \
+                and config.suffix_decoding_max_cached_bytes > 0:
+            self.shared = SharedIndex(config.suffix_decoding_max_cached_requests,
+                                      config.suffix_decoding_max_cached_bytes)
+        self._requests: dict[str, tuple[ContextIndex, int]] = {}  # index, prompt length
+
+    def observe(self, request_id: str, context: Sequence[int], prompt_len: int | None = None
+                ) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            plen = len(context) if prompt_len is None else prompt_len
+            state = self._requests[request_id] = (ContextIndex(), plen)
+        index = state[0]
+        if len(context) > index.size - 1:
+            index.extend(context[index.size - 1:])  # only what was appended
+
+    def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
+        self.observe(request_id, context)
+        cap = min(self.depth - 1, len(context))
+        if cap < 1:
+            return []
+        tail = context[len(context) - cap:]
+        own = self._requests[request_id][0]
+        best: tuple[int, float, list[int]] = (0, 0.0, [])
+        for sources in ([own.candidates(tail)],
+                        self.shared.candidates(tail) if self.shared is not None else []):
+            m, found = longest_match(sources, tail, cap)
+            if not m:
+                continue
+            limit = min(k, max(1, math.floor(self.spec_factor * m)))
+            draft, prob = walk_counts(found, self.depth - m, limit, self.min_prob)
+            # Scored as TrieSuffixSpeculator does: the draft length weighted by its
+            # probability, ties to the longer match.
+            if draft and (len(draft) * prob, m) > (len(best[2]) * best[1], best[0]):
+                best = (m, prob, draft)
+        return best[2]
+
+    def finish(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None or self.shared is None:
+            return
+        output = state[0].tokens(state[1])
+        if output:
+            self.shared.add(output)
 
 
 def make_speculator(config: SpeculativeConfig) -> Speculator:
