@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,12 +176,14 @@ class Run:
     seen: int
     failed: list[str]
     after: httpx.Response
+    accepted: list[tuple[str, str, Any]]  # (endpoint, dotted path, value) answered 200
 
 
 async def exercise(app: Any) -> Run:
     """Every base body, then every mutation, CONCURRENCY at a time (the engine batches the
     accepted ones), then a normal request; in-process over ASGI, the app's lifespan run."""
     failed: list[str] = []
+    accepted: list[tuple[str, str, Any]] = []
     gate = asyncio.Semaphore(CONCURRENCY)
     # a handler's exception is answered 500 by the app: recorded below, not raised here
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -193,6 +196,8 @@ async def exercise(app: Any) -> Run:
             if (why := problem(r, body)) is not None:
                 value = json.dumps(_value_at(body, path))
                 failed.append(f"{endpoint} {'.'.join(map(str, path))} = {value} -> {why}")
+            elif r.status_code == 200:
+                accepted.append((endpoint, ".".join(map(str, path)), _value_at(body, path)))
 
         spec = (await c.get("/openapi.json")).json()
         base_status = []
@@ -205,7 +210,7 @@ async def exercise(app: Any) -> Run:
         after = await c.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "ignore_eos": True})
-    return Run(spec, base_status, len(todo), failed, after)
+    return Run(spec, base_status, len(todo), failed, after, accepted)
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +263,36 @@ def test_a_wrong_type_at_any_depth_is_a_4xx(run: Run) -> None:
     assert run.after.status_code == 200, run.after.text
     assert run.after.json()["usage"]["completion_tokens"] == 3
 
+
+
+# Fields whose type OpenAI (and vLLM's pydantic models) fix, nested where the body models say
+# only "object": every other type is a 400, null too unless the field is optional ("null ok").
+TYPED = {
+    "/v1/chat/completions": (
+        (r"tools\.\d+\.(type|function|function\.name)", False),
+        (r"tools\.\d+\.function\.(description|strict|parameters)", True),
+        (r"messages\.\d+\.tool_calls\.\d+\.type", False),
+        (r"messages\.\d+\.tool_calls\.\d+\.(id|function\.name)", True),
+        (r"response_format\.json_schema\.(name|description|strict)", True),
+        (r"prediction\.(type|content)", False)),
+    "/v1/responses": (
+        (r"tools\.\d+\.strict", True),
+        (r"text\.format\.(name|description|strict)", True),
+        (r"input\.\d+\.id", True),
+        (r"input\.\d+\.summary", False)),
+}
+TYPED["/tokenize"] = TYPED["/v1/chat/completions"][:4]  # tools and the history
+
+
+def test_typed_nested_fields_refuse_every_other_type(run: Run) -> None:
+    """Beyond no 5xx: a nested field with a fixed type is a 4xx for any other, not a 200
+    that carries the wrong value into a template or a grammar."""
+    wrong = [f"{ep} {path} = {json.dumps(value)}" for ep, path, value in run.accepted
+             if any(re.fullmatch(pattern, path) and (value is not None or not null_ok)
+                    for pattern, null_ok in TYPED.get(ep, ()))
+             and not (path == "prediction.content" and value == [])]  # no parts: a list of them
+    assert not wrong, "\n".join([f"{len(wrong)} accepted with 200:", *wrong[:40]])
+    varied = {(ep, ".".join(map(str, path))) for ep, path, _ in cases()}
+    for ep, typed in TYPED.items():  # each pattern names fields the bodies really vary
+        for pattern, _ in typed:
+            assert any(e == ep and re.fullmatch(pattern, p) for e, p in varied), (ep, pattern)

@@ -71,6 +71,7 @@ from hlserve.server.responses.endpoint import (
 )
 from hlserve.server.runtime.events import RequestGroup
 from hlserve.server.runtime.metrics import CONTENT_TYPE
+from hlserve.server.tools.agent_checks import check_tools
 
 # ---- plain endpoints -------------------------------------------------------------------------
 
@@ -199,6 +200,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     tok = need_tokenizer(st)
     if isinstance(req, TokenizeChatRequest):
         req.check_supported()
+        check_tools(req.tools, None)  # typed as chat's (the template renders them)
         ids = await encode_chat(st, req, True, client_of(request))
     else:
         # bounded as a completion's prompt: a huge one is refused after a context's worth

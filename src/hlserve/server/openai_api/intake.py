@@ -37,7 +37,11 @@ from hlserve.server.protocol import (
     clip,
     validation_error,
 )
-from hlserve.server.tools.agent_checks import check_response_format, check_tools
+from hlserve.server.tools.agent_checks import (
+    check_prediction,
+    check_response_format,
+    check_tools,
+)
 
 OFFLOAD_CHARS = 16384  # larger bodies and texts are parsed/templated/tokenized in a thread
 GenerationRequest = TypeVar("GenerationRequest", CompletionRequest, ChatCompletionRequest)
@@ -104,6 +108,7 @@ async def read_request(request: Request, st: ServerState,
     check_response_format(req.response_format)
     if isinstance(req, ChatCompletionRequest):
         check_tools(req.tools, req.tool_choice)
+        check_prediction(req.prediction)
     req = st.sampling_defaults.apply(req)
     return Inbound(req, caller_of(request, st, req), arrival, offload, client)
 

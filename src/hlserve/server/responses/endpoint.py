@@ -185,8 +185,10 @@ def _item_message(item: dict[str, Any], where: str, messages: list[dict[str, Any
         _identifier(item, "call_id", where)
         messages.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": _text_of(output, where)})
-    elif kind == "reasoning":
-        pass  # earlier reasoning is not shown to the model again (as chat drops it)
+    elif kind == "reasoning":  # earlier reasoning is not shown to the model again (as chat
+        _identifier(item, "id", where)  # drops it), but typed as OpenAI types it
+        if not isinstance(item.get("summary", []), list):
+            raise _refuse(f"{where}.summary must be a list", f"{where}.summary", "invalid_type")
     else:
         raise _refuse(f"{where} has type {kind!r}; this server takes message, function_call, "
                       "function_call_output and reasoning items", "input")
@@ -251,6 +253,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
             raise _refuse(f"tools[{i}] has keys this server does not read: {sorted(extra)}",
                           "tools", "invalid_value")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise _refuse(f"tools[{i}].strict must be a boolean, got "
+                          f"{type(tool['strict']).__name__}", f"tools.{i}.strict",
+                          "invalid_type")
         if tool.get("strict"):
             fn["strict"] = True
         out.append({"type": "function", "function": fn})

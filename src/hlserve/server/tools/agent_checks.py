@@ -54,6 +54,11 @@ def parse_tool_call_arguments(messages: list[dict[str, Any]]) -> list[dict[str, 
             if not isinstance(fn, dict):
                 raise _refuse(f"messages[{m}].tool_calls[{c}] must have a 'function' object",
                               f"messages.{m}.tool_calls.{c}")
+            if call.get("type", "function") != "function":
+                raise _refuse(f"messages[{m}].tool_calls[{c}].type must be 'function'",
+                              f"messages.{m}.tool_calls.{c}.type")
+            _check_types(call, f"messages.{m}.tool_calls.{c}", id=str)
+            _check_types(fn, f"messages.{m}.tool_calls.{c}.function", name=str)
             args = fn.get("arguments")
             if isinstance(args, str):
                 try:
@@ -73,35 +78,43 @@ def parse_tool_call_arguments(messages: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
-    """``tools`` and a named ``tool_choice``: no empty list, no keys nothing reads, names
-    of at most OpenAI's 64 characters, no two functions of one name (which schema a call
-    of that name keeps to would be a guess; OpenAI refuses them, vLLM takes the first)."""
+    """``tools`` and a named ``tool_choice``: each tool's shape and types (vLLM's pydantic
+    model refuses the same), no empty list, no keys nothing reads, names of at most OpenAI's
+    64 characters, no two functions of one name (which schema a call of that name keeps to
+    would be a guess; OpenAI refuses them, vLLM takes the first)."""
     if tools is not None and not tools:
         raise _refuse("tools must not be an empty list (omit it for no tools)", "tools")
     seen: set[str] = set()
     for i, tool in enumerate(tools or ()):
-        if not isinstance(tool, dict):
-            continue  # parsers.py's shape check words this one
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(fn.get("name"), str):
+            raise _refuse(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                          "'parameters': {...}}}}", f"tools.{i}", "invalid_type")
         _extra(tool, TOOL_KEYS, f"tools.{i}")
-        fn = tool.get("function")
-        if isinstance(fn, dict):
-            _extra(fn, FUNCTION_KEYS, f"tools.{i}.function")
-            _check_name(fn.get("name"), i, seen)
-            if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-                raise _refuse(f"tools[{i}].function.strict must be a boolean",
-                              f"tools.{i}.function.strict")
-            if "description" in fn and not isinstance(fn["description"], (str, type(None))):
-                raise _refuse(f"tools[{i}].function.description must be a string",
-                              f"tools.{i}.function.description")
+        _extra(fn, FUNCTION_KEYS, f"tools.{i}.function")
+        _check_name(fn["name"], i, seen)
+        _check_types(fn, f"tools.{i}.function", parameters=dict, strict=bool, description=str)
     if isinstance(tool_choice, dict):
         _extra(tool_choice, NAMED_CHOICE_KEYS, "tool_choice")
         if isinstance(fn := tool_choice.get("function"), dict):
             _extra(fn, frozenset({"name"}), "tool_choice.function")
 
 
-def _check_name(name: Any, i: int, seen: set[str]) -> None:
-    if not isinstance(name, str):
-        return  # parsers.py's shape check words this one
+def _check_types(obj: dict[str, Any], where: str, **types: type) -> None:
+    """Each named key of ``obj``: absent, null, or of its type (a 400 naming it otherwise)."""
+    for key, kind in types.items():
+        value = obj.get(key)
+        if value is not None and (not isinstance(value, kind) or
+                                  (kind is not bool and isinstance(value, bool))):
+            raise _refuse(f"{where}.{key} must be {_TYPE_NAMES[kind]}, got "
+                          f"{type(value).__name__}", f"{where}.{key}", "invalid_type")
+
+
+_TYPE_NAMES = {dict: "an object", str: "a string", bool: "a boolean", list: "a list"}
+
+
+def _check_name(name: str, i: int, seen: set[str]) -> None:
     if len(name) > MAX_IDENTIFIER_CHARS:
         raise _refuse(f"tools[{i}].function.name may be at most {MAX_IDENTIFIER_CHARS} "
                       f"characters long (it has {len(name)})", f"tools.{i}.function.name")
@@ -127,6 +140,24 @@ def check_response_format(rf: dict[str, Any] | None) -> None:
     _extra(rf, RESPONSE_FORMAT_KEYS[kind], "response_format")
     if kind == "json_schema" and isinstance(rf.get("json_schema"), dict):
         _extra(rf["json_schema"], JSON_SCHEMA_KEYS, "response_format.json_schema")
+        _check_types(rf["json_schema"], "response_format.json_schema", name=str,
+                     description=str, strict=bool)
+
+
+def check_prediction(prediction: dict[str, Any] | None) -> None:
+    """OpenAI's predicted output: ``{"type": "content", "content": str | [text parts]}``.
+    Accepted and not used (no draft comes from it), but typed as OpenAI types it."""
+    if prediction is None:
+        return
+    if prediction.get("type") != "content":
+        raise _refuse("prediction.type must be 'content'", "prediction.type", "invalid_value")
+    content = prediction.get("content")
+    parts_ok = isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content)
+    if not isinstance(content, str) and not parts_ok:
+        raise _refuse("prediction.content must be a string or a list of text parts",
+                      "prediction.content", "invalid_type")
 
 
 def check_constrained(req: Any, spec: StructuredOutputsParams | None, what: str) -> None:
