@@ -76,7 +76,9 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
                      "(Continuum's pinning); off: retention yields to every admission"),
     "speculative_config": (["--speculative-config"], "speculative decoding, vLLM's JSON: "
                            "'{\"method\": \"ngram\" | \"suffix\", \"num_speculative_tokens\": k, "
-                           "...}' (no draft model)"),
+                           "...}' (no draft model); suffix also takes vLLM's "
+                           "suffix_decoding_* keys and suffix_decoding_max_cached_bytes "
+                           "(its index's byte budget, default 64 MiB)"),
     "speculative_adaptive": (["--speculative-adaptive"], "on: k chosen per step (0..k) from "
                              "the measured acceptance per position and step cost; off: "
                              "num_speculative_tokens every step (throughput mode: on)"),
