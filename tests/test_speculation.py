@@ -16,16 +16,15 @@ from transformers import AutoModelForCausalLM
 from hlserve.config import SpeculativeConfig
 from hlserve.engine.speculation import (
     ContextView,
-    CountTrie,
     NgramIndex,
     NgramSpeculator,
     SuffixSpeculator,
-    _Node,
     make_speculator,
     ngram_propose,
 )
 from hlserve.errors import InvalidRequestError
 from hlserve.runner.spec_verify import greedy_verify, rejection_verify
+from suffix_trie_reference import CountTrie, _Node
 
 
 def test_config_reads_vllm_fields_and_refuses_the_rest() -> None:

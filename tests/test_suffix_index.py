@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlserve.config import SpeculativeConfig
-from hlserve.engine.speculation import SuffixSpeculator, TrieSuffixSpeculator
+from hlserve.engine.speculation import SuffixSpeculator
 from hlserve.engine.suffix_index import SharedIndex
+from suffix_trie_reference import TrieSuffixSpeculator
 
 
 def _config(data: st.DataObject, cached: int) -> SpeculativeConfig:

@@ -41,6 +41,7 @@ from hlserve.bench.serve_bench import BenchSpec, agent_sessions, recorder, run_b
 from hlserve.config import parse_cap
 from hlserve.driver.closed_loop import Loop, greedy, run_closed_loop
 from hlserve.driver.machine import host
+from hlserve.driver.points import slug
 from hlserve.driver.records import headline, summarize
 from hlserve.driver.tiers import DEFAULT_TIERS, Tier, tier_rows, tier_table
 from hlserve.engine.args import parse_engine_args
@@ -224,11 +225,6 @@ class SweepSpec:
         """Where a point's file goes: ``points/<label><suffix>``, the label made a file name
         (its result, requests and server log are named by it)."""
         return self.out_dir / "points" / f"{slug(label)}{suffix}"
-
-
-def slug(label: str) -> str:
-    """A point's label as a file name."""
-    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)
 
 
 def run_one(sw: SweepSpec, base: dict[str, Any], env: dict[str, str] | None, point: SweepPoint,

@@ -80,3 +80,8 @@ def human_tax(points: Sequence[Point], ttft_ms: float | None, tpot_ms: float | N
         return math.nan, best, top
     met = throughput(best, metric) if best is not None else 0.0
     return 1.0 - met / throughput(top, metric), best, top
+
+
+def slug(label: str) -> str:
+    """A point's label as a file name (a sweep's ``points/<slug>.json``)."""
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label)

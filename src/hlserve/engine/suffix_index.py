@@ -2,8 +2,8 @@
 lookup whose cost does not grow with the tree depth when nothing matches.
 
 The counts the speculator reads are those of a count trie of depth ``d`` (every substring of
-length <= d, counted once per occurrence; :class:`~hlserve.engine.speculation.CountTrie`, the
-definition): the count of ``s`` followed by ``x`` is the number of occurrences of ``s`` that
+length <= d, counted once per occurrence; the trie it replaced, kept as the definition in
+tests/suffix_trie_reference.py): the count of ``s`` followed by ``x`` is the number of occurrences of ``s`` that
 ``x`` follows. Here they are found from the occurrences themselves, in a token buffer: the
 positions where the context's last token (or last two) ends, extended backwards one token at a
 time while any still match (the longest matching suffix), then followed forwards (the walk).

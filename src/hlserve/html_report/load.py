@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hlserve.driver.points import slug
 from hlserve.html_report.model import (
     Group,
     Pt,
@@ -95,16 +96,10 @@ def _records(files: Sequence[Path]) -> Any:
 # ---- sweep ----------------------------------------------------------------------------------
 
 
-def _slug(label: str) -> str:
-    from hlserve.bench.sweep import slug
-
-    return slug(label)
-
-
 def sweep_request_files(out: Path, point: Mapping[str, Any]) -> list[Path]:
     """A sweep point's per-request files: every repeat's, or the one run's; found in the
     sweep's ``points/`` (the path recorded is relative to where the sweep ran)."""
-    pdir, s = out / "points", _slug(point["label"])
+    pdir, s = out / "points", slug(point["label"])
     seeds = sorted(pdir.glob(f"{glob.escape(s)}.seed*.requests.jsonl"))
     if seeds:
         return seeds

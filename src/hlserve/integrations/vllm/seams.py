@@ -63,10 +63,19 @@ def session_of(req: Request) -> str | None:
     tenant's), so two tenants naming the same session are two sessions. The key is
     hlserve's fixed-size digest (engine/sessions.py:session_key): the state kept per
     session after its request is gone costs the same whatever the name's length."""
-    name = getattr(req, "session_id", None) or _xargs(req).get(SESSION_KEY)
-    if not isinstance(name, str) or not name:
-        return None
-    return session_key(name, salt=getattr(req, "cache_salt", None) or None)
+    # the digest is taken once per request and kept on it: the order asks every pass, and a
+    # long name would be hashed again each time on the scheduler's path
+    key = getattr(req, _SESSION_MEMO, _UNSET)
+    if key is _UNSET:
+        name = getattr(req, "session_id", None) or _xargs(req).get(SESSION_KEY)
+        key = session_key(name, salt=getattr(req, "cache_salt", None) or None) \
+            if isinstance(name, str) and name else None
+        setattr(req, _SESSION_MEMO, key)
+    return key
+
+
+_SESSION_MEMO = "_hlserve_session_key"
+_UNSET = object()
 
 
 def session_hints(req: Request) -> dict[str, Any]:
