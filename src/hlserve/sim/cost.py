@@ -303,3 +303,23 @@ def shape_of(batch, sampled: list | None = None) -> IterationShape:
                 sampled.append(s)
     return IterationShape(n_tok, len(batch.seqs), samples, tuple(prefill), n_dec, ctx_sum, ctx_max)
 
+
+
+def shape_from(segments: list[tuple[int, int, bool]]) -> IterationShape:
+    """An iteration's shape from its segments as another engine's scheduler reports them:
+    (new tokens, tokens computed before them, whether the segment samples a token). One new
+    token after a context is a decode, as in :func:`shape_of`; the other engines' steps
+    (``hlserve.integrations.sim_engine``) are priced by the same cost model this way."""
+    prefill: list[tuple[int, int]] = []
+    n_tok = n_dec = ctx_sum = ctx_max = samples = 0
+    for q, start, samples_one in segments:
+        n_tok += q
+        if q == 1 and start > 0:
+            n_dec += 1
+            end = start + 1
+            ctx_sum += end
+            ctx_max = max(ctx_max, end)
+        else:
+            prefill.append((q, start))
+        samples += samples_one
+    return IterationShape(n_tok, len(segments), samples, tuple(prefill), n_dec, ctx_sum, ctx_max)

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlserve.driver import points as shared
-from hlserve.driver import records
-from hlserve.driver.closed_loop import LoopResult
+from hlserve.driver.loop_metrics import stall_metrics, turnover_metrics, window_metrics
 from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
 from hlserve.engine.args import make_config
@@ -30,6 +29,7 @@ from hlserve.sim.build import SimOptions, device_info
 from hlserve.sim.hardware import get_hardware
 from hlserve.sim.sim_runner import SimRunner
 from hlserve.study.drive import run_agent_steady
+from hlserve.study.foreign import FOREIGN, run_foreign
 
 # system -> (options, knob swept, default sweep)
 ABLATIONS: dict[str, tuple[dict[str, Any], str]] = {
@@ -52,7 +52,10 @@ STRICT_SLO = (1000.0, 50.0)
 
 
 def system_options(system: str, knob: int | None) -> dict[str, Any]:
-    """Engine options of one point. ``knob`` is C (sglang), C = B (sarathi), B (vllm)."""
+    """Engine options of one point. ``knob`` is C (sglang), C = B (sarathi), B (vllm); a
+    system that is another engine's code (:data:`FOREIGN`) has its own flags, none here."""
+    if system in FOREIGN:
+        return {}
     if system == "sglang":
         return {"preset": "sglang", "chunk_size": knob}
     if system == "sarathi":
@@ -63,7 +66,7 @@ def system_options(system: str, knob: int | None) -> dict[str, Any]:
         return {"mode": "throughput"}
     if system in ABLATIONS:
         return {"mode": "throughput", **ABLATIONS[system][0]}
-    raise ValueError(f"unknown system {system!r}: {', '.join(DEFAULT_SYSTEMS)}")
+    raise ValueError(f"unknown system {system!r}: {', '.join((*DEFAULT_SYSTEMS, *FOREIGN))}")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class StudyPoint:
 
     @property
     def label(self) -> str:
+        if self.system in FOREIGN:  # knob None: the system's own default
+            knob = FOREIGN[self.system].knob
+            return self.system if self.knob is None else f"{self.system} {knob}={self.knob}"
         if self.system not in SWEEPS:
             return self.system
         name = {"sglang": "C", "sarathi": "C=B", "vllm": "B"}[self.system]
@@ -136,7 +142,14 @@ def run_point(spec: StudySpec, point: StudyPoint, options: dict[str, Any] | None
               sim: SimOptions | None = None) -> dict[str, Any]:
     """Simulate one point; returns its JSON record. ``options`` adds engine options on top of
     the system's (the benchmarks' variants); ``spec.hardware`` may be a Hardware object;
-    ``sim`` the simulation's own options (an acceptance profile for speculation)."""
+    ``sim`` the simulation's own options (an acceptance profile for speculation). A system
+    of another engine's code runs in that engine's environment (:mod:`hlserve.study.foreign`)."""
+    if point.system in FOREIGN:
+        rec = run_foreign(dataclasses.asdict(spec), dataclasses.asdict(point), options or {},
+                          timeout=spec.wall_limit + 600)
+        return {"point": rec["point"], "label": point.label, "spec": spec.fingerprint(),
+                "options": rec["options"], "kv_pool_tokens": rec["kv_pool_tokens"],
+                "metrics": rec["metrics"]}
     opts = {**system_options(point.system, point.knob), **(options or {})}
     sim = sim or SimOptions()
     hw = get_hardware(spec.hardware)
@@ -186,37 +199,6 @@ def run_point(spec: StudySpec, point: StudyPoint, options: dict[str, Any] | None
         "options": opts, "kv_pool_tokens": runner.num_pages * runner.page_size,
         "metrics": metrics,
     }
-
-
-def window_metrics(res: LoopResult) -> dict[str, Any]:
-    """The window's requests summarized by :func:`hlserve.driver.records.summarize`: its brief
-    keys (``RunResult.summary()``'s), the failed requests, ITL, sessions per hour and the
-    session completion percentiles."""
-    full = records.summarize(res.records, res.duration, session_times=res.session_times)
-    keep = ("failed", "median_itl_ms", "p99_itl_ms", "sessions_per_hour",
-            *records.session_completion(()).keys())
-    return {**records.brief(full), **{k: full[k] for k in keep}}
-
-
-def stall_metrics(recs: list[records.RequestRecord]) -> dict[str, float | None]:
-    """What a per-request mean TPOT hides: each request's longest inter-token gap, its stall
-    (median, p99 and max over requests), in ms (the pooled gaps, ITL, are the summary's)."""
-    longest = [max(r.itls) for r in recs if r.success and len(r.chunk_times) > 1]
-    out: dict[str, float | None] = {}
-    for how in ("median", "p99", "max"):
-        v = (max(longest) if longest else None) if how == "max" else records.stat(longest, how)
-        out[f"{how}_longest_stall_ms"] = None if v is None else 1e3 * v
-    return out
-
-
-def turnover_metrics(res: Any, sessions: int) -> dict[str, Any]:
-    """Session throughput that does not drop long sessions: every session that ended inside
-    the window counts, wherever it started (``sessions_per_hour`` counts only those that
-    started inside it too). ``turnover`` is sessions ended per concurrent slot over the window:
-    under 1, a session outlives the window and the point is a transient, not a steady state."""
-    ended = res.sessions_ended_in_window
-    return {"sessions_ended_per_hour": 3600 * ended / res.duration,
-            "turnover": ended / max(1, sessions), "transient": ended < sessions}
 
 
 # ---- analysis ---------------------------------------------------------------------------------

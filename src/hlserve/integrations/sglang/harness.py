@@ -55,7 +55,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 _MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 1000, "rms_norm_eps": 1e-5, "max_position_embeddings": 65536, "torch_dtype": "float32",
+    "num_hidden_layers": 2, "vocab_size": 1000, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": 2,
 }
 

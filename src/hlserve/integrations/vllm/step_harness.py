@@ -173,7 +173,9 @@ class SchedulerHarness:
     """One vLLM scheduler, stock or the plugin, on a virtual clock."""
 
     def __init__(self, cfg: HarnessConfig,
-                 step_time: Callable[[int, int], float] = linear_step_time) -> None:
+                 step_time: Callable[[int, int], float] = linear_step_time,
+                 step_cost: Callable[[SchedulerOutput, Any], float] | None = None,
+                 record_steps: bool = True) -> None:
         self.cfg = cfg
         self.vllm_config = build_vllm_config(cfg)
         kv = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
@@ -187,6 +189,10 @@ class SchedulerHarness:
         self.now = 0.0
         self._gpu_free_at = 0.0
         self.step_time = step_time
+        # the study's cost model: the step's seconds from vLLM's output and scheduler (each
+        # request's new tokens and the context before them), in place of ``step_time``
+        self.step_cost = step_cost
+        self.record_steps = record_steps  # False: a long run keeps no step history
         if hasattr(self.scheduler, "hl_clock"):
             self.scheduler.hl_clock = lambda: self.now
         self._hasher = None
@@ -196,6 +202,7 @@ class SchedulerHarness:
             self._hasher = get_request_block_hasher(cfg.block_size, hash_fn)
         self._inflight: deque[tuple[SchedulerOutput, Any, float]] = deque()
         self.steps: list[StepRecord] = []
+        self.num_scheduled = 0
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, float] = {}  # request id -> virtual time it finished
         self.arrived: dict[str, float] = {}
@@ -232,7 +239,8 @@ class SchedulerHarness:
             finished = self._deliver()
             if record is not None:
                 record = _with_finished(record, finished)
-                self.steps[-1] = record
+                if self.record_steps:
+                    self.steps[-1] = record
         return record
 
     def _schedule(self) -> StepRecord:
@@ -244,17 +252,23 @@ class SchedulerHarness:
         # the forward runs once the previous one is done: async scheduling overlaps this
         # step's scheduling with it, and nothing else
         start = max(self.now, self._gpu_free_at)
-        self._gpu_free_at = start + self.step_time(out.total_num_scheduled_tokens, len(ids))
+        if self.step_cost is not None:
+            elapsed = self.step_cost(out, s)
+        else:
+            elapsed = self.step_time(out.total_num_scheduled_tokens, len(ids))
+        self._gpu_free_at = start + elapsed
         self._inflight.append((out, runner_output(ids, sampled), self._gpu_free_at))
         admitted = tuple(r.req_id for r in out.scheduled_new_reqs) + resumed_ids(out)
+        self.num_scheduled += 1
         record = StepRecord(
-            step=len(self.steps), time=self.now, budget=budget,
+            step=self.num_scheduled - 1, time=self.now, budget=budget,
             scheduled=dict(out.num_scheduled_tokens), admitted=admitted,
             cached={r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs},
             preempted=tuple(sorted(out.preempted_req_ids or ())), finished=(),
             free_blocks=s.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_waiting=len(s.waiting), num_running=len(s.running))
-        self.steps.append(record)
+        if self.record_steps:
+            self.steps.append(record)
         return record
 
     def _tokens(self, rid: str) -> list[int]:
