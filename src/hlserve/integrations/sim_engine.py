@@ -2,8 +2,8 @@
 
 hlserve's study runs its own scheduler against a ``SimRunner``: each step's batch priced by
 the ``CostModel`` of a GPU, a virtual clock advanced by that price. ``ForeignSimEngine`` gives
-vLLM's and SGLang's own scheduling code (``integrations/vllm/sim_engine.py``,
-``integrations/sglang/sim_engine.py``) the same runner and clock, behind the surface the
+vLLM's and SGLang's own scheduling code (``integrations/vllm/sim_vllm.py``,
+``integrations/sglang/sim_sglang.py``) the same runner and clock, behind the surface the
 closed-loop driver (``driver/closed_loop.py``) reads of an ``Engine``: ``add_request``,
 ``step_requests``, ``has_unfinished``, ``clock``, ``skip_time``, ``requests``. The driver,
 the workloads and the records are hlserve's, so a point of vLLM's scheduler is comparable to

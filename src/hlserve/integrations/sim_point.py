@@ -41,7 +41,7 @@ MAX_LEN_HEADROOM = 4096  # the model length a point's engine gets past its conte
 
 def _vllm(system: str, knob: int | None, max_len: int, opts: dict[str, Any],
           pricer: StepPricer) -> ForeignSimEngine:
-    from hlserve.integrations.vllm.sim_engine import VllmSimEngine, deployment
+    from hlserve.integrations.vllm.sim_vllm import VllmSimEngine, deployment
 
     plugin = system.endswith("+hlserve")
     dep = deployment(plugin, max_len, budget=knob,
@@ -53,7 +53,7 @@ def _vllm(system: str, knob: int | None, max_len: int, opts: dict[str, Any],
 
 def _sglang(system: str, knob: int | None, max_len: int, opts: dict[str, Any],
             pricer: StepPricer) -> ForeignSimEngine:
-    from hlserve.integrations.sglang.sim_engine import SglangSimEngine, deployment
+    from hlserve.integrations.sglang.sim_sglang import SglangSimEngine, deployment
 
     dep = deployment(plugin=system.endswith("+hlserve"), mixed=system.endswith("-mixed"),
                      chunk=knob, max_len=max_len, **opts)

@@ -1,0 +1,92 @@
+"""vLLM's and SGLang's own schedulers as study systems (hlserve.study.foreign,
+hlserve.integrations.sim_engine): stored points rerun bit-identical in each engine's
+environment, the tables of docs/study/h20-systems/ agree with the stored points, and every
+system's steps are priced as hlserve's own are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hlserve.study.core import StudyPoint, StudySpec, run_point
+from hlserve.study.foreign import FOREIGN, ForeignRunError, missing_environments
+
+ROOT = Path(__file__).resolve().parent.parent
+STORED = ROOT / "docs" / "study" / "h20-systems" / "points"
+# the overload cell (64K, 128 sessions: about twice the KV pool): where admission,
+# preemption, ordering and the plugins' budgets all act, and the fastest to simulate
+# (~15-60 s a point)
+RERUN = ("vllm-0.34", "vllm-0.34+hlserve", "sglang-0.5.23", "sglang-0.5.23+hlserve")
+
+
+@pytest.mark.parametrize("system", RERUN)
+def test_stored_engine_point_reruns_bit_identical(system: str) -> None:
+    missing = missing_environments((system,))
+    if missing:
+        pytest.skip(missing[0])
+    stored = json.loads((STORED / f"ctx65536_n128_{system}_inf.json").read_text())
+    spec = StudySpec(**{k: v for k, v in stored["spec"].items()})
+    rec = json.loads(json.dumps(run_point(spec, StudyPoint(**stored["point"]))))
+    assert rec["options"] == stored["options"]
+    assert rec["kv_pool_tokens"] == stored["kv_pool_tokens"]
+    new, old = dict(rec["metrics"]), dict(stored["metrics"])
+    new.pop("wall_s")
+    old.pop("wall_s")
+    assert json.dumps(new) == json.dumps(old)
+
+
+def test_a_missing_environment_is_named_with_how_to_build_it(monkeypatch) -> None:
+    monkeypatch.setenv("HLSERVE_SGLANG_PYTHON", "/nonexistent/python")
+    point = StudyPoint("sglang-0.5.23+hlserve", None, 32768, 16)
+    with pytest.raises(ForeignRunError, match=r"\.ci/sglang-env"):
+        run_point(StudySpec(duration=10.0, warmup=0.0), point)
+
+
+def test_the_engines_systems_are_the_point_runners():
+    from hlserve.integrations.sim_point import BUILDERS
+
+    assert set(BUILDERS) == set(FOREIGN)
+    assert StudyPoint("vllm-0.34", None, 32768, 16).label == "vllm-0.34"
+    assert StudyPoint("vllm-0.34", 4096, 32768, 16).label == "vllm-0.34 B=4096"
+    assert StudyPoint("sglang-0.5.23-mixed", 512, 32768, 16).label == "sglang-0.5.23-mixed C=512"
+
+
+def test_other_engines_steps_are_priced_as_hlserves() -> None:
+    """The segments an engine's scheduler reports (new tokens, tokens before, samples) give
+    the shape hlserve's own batch gives, so both are priced by one cost model alike: one
+    real step of hlserve's scheduler holding a prefill chunk, a whole prompt and a decode."""
+    from hlserve.request import SamplingParams
+    from hlserve.sim.build import build_sim_engine
+    from hlserve.sim.cost import shape_from, shape_of
+
+    engine = build_sim_engine("Qwen2.5-32B", "H20", tp=8, chunk_size=64, mixing="always",
+                              max_model_len=4096)
+    engine.add_request(list(range(10, 40)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the first prompt's prefill: it decodes from now on
+    engine.add_request(list(range(100, 300)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request(list(range(300, 320)), SamplingParams(max_tokens=8, ignore_eos=True))
+    seen = []
+    execute = engine.runner.execute
+
+    def spy(batch):
+        segments = [(s.num_tokens, s.start, s.start + s.num_tokens == s.request.num_tokens)
+                    for s in batch.seqs]
+        seen.append((segments, shape_of(batch)))
+        return execute(batch)
+
+    engine.runner.execute = spy
+    engine.step()
+    segments, shape = seen[0]
+    assert {(q == 1 and start > 0, samples) for q, start, samples in segments} == {
+        (True, True), (False, False), (False, True)}  # a decode, a chunk, a whole prompt
+    assert shape_from(segments) == shape
+
+
+def test_systems_tables_agree_with_the_stored_points() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "study_systems.py"), "--check"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
