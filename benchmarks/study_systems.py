@@ -16,7 +16,9 @@ stock and with hlserve's plugin, on the same simulated runner, workload and driv
    best point).
 
     python benchmarks/study_systems.py            # writes docs/study/h20-systems/systems.md
-    python benchmarks/study_systems.py --check    # exits 1 when the stored file differs
+    python benchmarks/study_systems.py --check    # exits 1 when the stored file, or a row
+                                                  # docs/fidelity.md or docs/study.md quote
+                                                  # (tables 1 and 2), differs
 
 Nothing is simulated here; tests/test_study_systems.py runs ``--check``.
 """
@@ -113,7 +115,7 @@ def throughput_rows() -> Iterable[str]:
     for ctx, n in CELLS:
         got = {c: point(ctx, n, c) for c in COLUMNS}
         t = {c: throughput(r) if r else math.nan for c, r in got.items()}
-        gains = [_pct(t[p] / t[s] - 1) if t[s] > 0 else "—"
+        gains = [_pct(t[p] / t[s] - 1) if t[s] > 0 and math.isfinite(t[p]) else "—"
                  for p, s in (("vllm-0.34+hlserve", "vllm-0.34"),
                               ("sglang-0.5.23+hlserve", "sglang-0.5.23"))]
         yield (f"| {ctx // 1024}K / {n} | " + " | ".join(_k(t[c]) for c in COLUMNS)
@@ -121,25 +123,26 @@ def throughput_rows() -> Iterable[str]:
 
 
 def seed_rows() -> Iterable[str]:
-    yield ("| cell | seeds | plugin over stock SGLang (C=8192) | plugin over SGLang mixed "
-           "C=512 (Sarathi-style) | plugin over SGLang, seed 0 only |")
-    yield "|---|---:|---|---|---|"
+    yield ("| cell | plugin over stock SGLang (C=8192) | plugin over SGLang mixed C=512 "
+           "(Sarathi-style) |")
+    yield "|---|---|---|"
     for ctx, n in CELLS:
         plug = seeds_of(ctx, n, "sglang-0.5.23+hlserve")
+        if not plug:
+            continue
         cells = []
-        common: list[int] = []
         for base in ("sglang-0.5.23", "sglang-0.5.23-mixed"):
             other = seeds_of(ctx, n, base)
             common = sorted(set(plug) & set(other))
+            if not common:
+                cells.append("—")
+                continue
             a = [throughput(other[s]) for s in common]
             b = [throughput(plug[s]) for s in common]
-            r, ci = ratio_ci(a, b) if common else (math.nan, None)
-            cells.append(_pct(r - 1) + (f" [{_pct(ci[0] - 1)}, {_pct(ci[1] - 1)}]" if ci else ""))
-        if not plug:
-            continue
-        first = point(ctx, n, "sglang-0.5.23")
-        seed0 = _pct(throughput(plug[0]) / throughput(first) - 1) if first and 0 in plug else "—"
-        yield f"| {ctx // 1024}K / {n} | {len(common)} | {cells[0]} | {cells[1]} | {seed0} |"
+            r, ci = ratio_ci(a, b)
+            interval = f" [{_pct(ci[0] - 1)}, {_pct(ci[1] - 1)}]" if ci else ""
+            cells.append(f"{_pct(r - 1)}{interval} ({len(common)} seed{'s' * (len(common) > 1)})")
+        yield f"| {ctx // 1024}K / {n} | {cells[0]} | {cells[1]} |"
 
 
 def tax_rows() -> Iterable[str]:
@@ -157,6 +160,10 @@ def tax_rows() -> Iterable[str]:
                 cells.append("—" if not recs else f"{100 * tax:.0f}%{where}")
             yield (f"| {ctx // 1024}K | {name} ({ttft / 1e3:.0f} s / {tpot:.0f} ms) | "
                    + " | ".join(cells) + " |")
+
+
+# tables the docs quote, row by row: --check fails when a quoted row is not the points'
+QUOTED = (("docs/fidelity.md", fidelity_rows), ("docs/study.md", throughput_rows))
 
 
 def render() -> str:
@@ -189,11 +196,13 @@ def main() -> int:
     args = ap.parse_args()
     text = render()
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            sys.stderr.write(f"{OUT.relative_to(ROOT)} differs from its points: rerun "
-                             "python benchmarks/study_systems.py\n")
-            return 1
-        return 0
+        bad = [] if OUT.exists() and OUT.read_text() == text else [
+            f"{OUT.relative_to(ROOT)} differs from its points: rerun this script"]
+        for doc, rows in QUOTED:
+            quoted = (ROOT / doc).read_text()
+            bad += [f"{doc} lacks the row: {row}" for row in rows() if row not in quoted]
+        sys.stderr.write("".join(line + "\n" for line in bad))
+        return 1 if bad else 0
     OUT.write_text(text)
     print(text)
     return 0

@@ -161,8 +161,13 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="8192,32768,65536", help="comma-separated context lengths")
     p.add_argument("--sessions", default="16,64,128", help="comma-separated concurrency levels")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help="sglang, sarathi, vllm, hlserve (throughput mode), ablations")
-    p.add_argument("--chunks", default=None, help="chunk sizes / budgets to sweep (default per system)")
+                   help="sglang, sarathi, vllm, hlserve (throughput mode), ablations; the "
+                        "engines' own schedulers (their environments built by .ci): vllm-0.34, "
+                        "vllm-0.34+hlserve, sglang-0.5.23, sglang-0.5.23-mixed, "
+                        "sglang-0.5.23+hlserve")
+    p.add_argument("--chunks", default=None,
+                   help="chunk sizes / budgets to sweep (default per system; vLLM's code: "
+                        "--max-num-batched-tokens, SGLang's: --chunked-prefill-size)")
     p.add_argument("--duration", type=float, default=1200.0, help="simulated seconds measured")
     p.add_argument("--warmup", type=float, default=600.0,
                    help="simulated seconds before measuring (sessions ramp up over half of it)")

@@ -107,7 +107,8 @@ class StudySpec:
         for ctx in self.contexts:
             for n in self.sessions:
                 for system in self.systems:
-                    knobs = self.chunks if (self.chunks and system in SWEEPS) else SWEEPS.get(system, (None,))
+                    swept = system in SWEEPS or system in FOREIGN  # FOREIGN: B (vLLM), C (SGLang)
+                    knobs = self.chunks if (self.chunks and swept) else SWEEPS.get(system, (None,))
                     for k in knobs:
                         out.append(StudyPoint(system, k, ctx, n))
         return out
