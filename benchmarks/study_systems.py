@@ -9,8 +9,9 @@ stock and with hlserve's plugin, on the same simulated runner, workload and driv
    fidelity, docs/fidelity.md): throughput, TTFT and TPOT p99, and what the steps did;
 2. throughput per system per cell, with each plugin's gain over its stock engine;
 3. the seed's claims on SGLang's code: throughput mode (the plugin) over stock SGLang and
-   over Sarathi-style chunking (SGLang with --enable-mixed-chunk, C = 512), paired over the
-   workload seeds stored (95% Fieller interval of the ratio of means);
+   over Sarathi-style chunking (SGLang with --enable-mixed-chunk, C = 512), and the vLLM
+   plugin over stock vLLM, paired over the workload seeds stored (95% Fieller interval of
+   the ratio of means);
 4. the human tax at the production and strict SLO pairs within each system, the node's
    concurrency free (16-128 sessions; the best point meeting the pair against the system's
    best point).
@@ -122,27 +123,31 @@ def throughput_rows() -> Iterable[str]:
                + " | " + " | ".join(gains) + " |")
 
 
+# (throughput mode's host, the baseline) of table 3
+SEED_PAIRS = (("sglang-0.5.23+hlserve", "sglang-0.5.23"),
+              ("sglang-0.5.23+hlserve", "sglang-0.5.23-mixed"),
+              ("vllm-0.34+hlserve", "vllm-0.34"))
+
+
+def paired_gain(ctx: int, n: int, ours: str, base: str) -> str:
+    """Throughput of ``ours`` over ``base`` on the seeds both have: the ratio of means less 1,
+    with its paired 95% interval from two seeds on."""
+    a_by, b_by = seeds_of(ctx, n, base), seeds_of(ctx, n, ours)
+    common = sorted(set(a_by) & set(b_by))
+    if not common:
+        return "—"
+    r, ci = ratio_ci([throughput(a_by[s]) for s in common], [throughput(b_by[s]) for s in common])
+    interval = f" [{_pct(ci[0] - 1)}, {_pct(ci[1] - 1)}]" if ci else ""
+    return f"{_pct(r - 1)}{interval} ({len(common)} seed{'s' * (len(common) > 1)})"
+
+
 def seed_rows() -> Iterable[str]:
-    yield ("| cell | plugin over stock SGLang (C=8192) | plugin over SGLang mixed C=512 "
-           "(Sarathi-style) |")
-    yield "|---|---|---|"
+    yield ("| cell | SGLang plugin over stock SGLang (C=8192) | SGLang plugin over SGLang mixed "
+           "C=512 (Sarathi-style) | vLLM plugin over stock vLLM (B=8192) |")
+    yield "|---|---|---|---|"
     for ctx, n in CELLS:
-        plug = seeds_of(ctx, n, "sglang-0.5.23+hlserve")
-        if not plug:
-            continue
-        cells = []
-        for base in ("sglang-0.5.23", "sglang-0.5.23-mixed"):
-            other = seeds_of(ctx, n, base)
-            common = sorted(set(plug) & set(other))
-            if not common:
-                cells.append("—")
-                continue
-            a = [throughput(other[s]) for s in common]
-            b = [throughput(plug[s]) for s in common]
-            r, ci = ratio_ci(a, b)
-            interval = f" [{_pct(ci[0] - 1)}, {_pct(ci[1] - 1)}]" if ci else ""
-            cells.append(f"{_pct(r - 1)}{interval} ({len(common)} seed{'s' * (len(common) > 1)})")
-        yield f"| {ctx // 1024}K / {n} | {cells[0]} | {cells[1]} |"
+        cells = [paired_gain(ctx, n, ours, base) for ours, base in SEED_PAIRS]
+        yield f"| {ctx // 1024}K / {n} | " + " | ".join(cells) + " |"
 
 
 def tax_rows() -> Iterable[str]:
@@ -181,7 +186,7 @@ def render() -> str:
         "", *fidelity_rows(), "",
         "## 2. Throughput per system (tok/s)",
         "", *throughput_rows(), "",
-        "## 3. Throughput mode on SGLang's code, over seeds",
+        "## 3. Throughput mode on the engines' code, over seeds",
         "",
         "Ratio of mean throughputs, paired by workload seed, with its 95% interval.",
         "", *seed_rows(), "",

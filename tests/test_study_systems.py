@@ -68,6 +68,7 @@ def test_the_engines_systems_are_the_point_runners():
     assert StudyPoint("vllm-0.34", None, 32768, 16).label == "vllm-0.34"
     assert StudyPoint("vllm-0.34", 4096, 32768, 16).label == "vllm-0.34 B=4096"
     assert StudyPoint("sglang-0.5.23-mixed", 512, 32768, 16).label == "sglang-0.5.23-mixed C=512"
+    assert StudyPoint("vllm-0.34-chunked", 2048, 32768, 16).label == "vllm-0.34-chunked C=B=2048"
 
 
 def test_other_engines_steps_are_priced_as_hlserves() -> None:

@@ -163,7 +163,7 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="sglang, sarathi, vllm, hlserve (throughput mode), ablations; the "
                         "engines' own schedulers (their environments built by .ci): vllm-0.34, "
-                        "vllm-0.34+hlserve, sglang-0.5.23, sglang-0.5.23-mixed, "
+                        "vllm-0.34-chunked, vllm-0.34+hlserve, sglang-0.5.23, sglang-0.5.23-mixed, "
                         "sglang-0.5.23+hlserve")
     p.add_argument("--chunks", default=None,
                    help="chunk sizes / budgets to sweep (default per system; vLLM's code: "

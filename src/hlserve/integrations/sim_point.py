@@ -12,6 +12,8 @@ The systems (their names are ``hlserve.study.foreign.FOREIGN``'s):
 - ``vllm-0.34``: vLLM 0.34's own scheduler as an H20 deployment runs it (async scheduling,
   ``--max-num-batched-tokens`` B = the knob, 8192 by default; ``long_prefill_token_threshold``
   option: C);
+- ``vllm-0.34-chunked``: the same with ``--long-prefill-token-threshold`` C at B = the knob
+  (512 by default: Sarathi-style chunking on vLLM's code);
 - ``vllm-0.34+hlserve``: the same with ``--scheduler-cls``
   ``hlserve.integrations.vllm.ThroughputAsyncScheduler`` (B at the model length);
 - ``sglang-0.5.23``: SGLang 0.5.23's scheduler, ``--chunked-prefill-size`` C = the knob (8192
@@ -36,7 +38,8 @@ from hlserve.driver.tool_time import parse_tool_time
 from hlserve.driver.workloads import AgentWorkload
 from hlserve.integrations.sim_engine import ForeignSimEngine, StepPricer
 
-MAX_LEN_HEADROOM = 4096  # the model length a point's engine gets past its context (run_point's)
+MAX_LEN_HEADROOM = 4096
+CHUNKED_DEFAULT = 512  # vllm-0.34-chunked's C = B: Sarathi-Serve's strict chunk  # the model length a point's engine gets past its context (run_point's)
 
 
 def _vllm(system: str, knob: int | None, max_len: int, opts: dict[str, Any],
@@ -44,8 +47,10 @@ def _vllm(system: str, knob: int | None, max_len: int, opts: dict[str, Any],
     from hlserve.integrations.vllm.sim_vllm import VllmSimEngine, deployment
 
     plugin = system.endswith("+hlserve")
-    dep = deployment(plugin, max_len, budget=knob,
-                     threshold=opts.get("long_prefill_token_threshold"),
+    chunked = system.endswith("-chunked")  # C = B = the knob: Sarathi-style on vLLM's code
+    budget = (knob or CHUNKED_DEFAULT) if chunked else knob
+    dep = deployment(plugin, max_len, budget=budget,
+                     threshold=budget if chunked else opts.get("long_prefill_token_threshold"),
                      async_scheduling=opts.get("async_scheduling", True),
                      plugin_options=opts.get("hlserve"))
     return VllmSimEngine(dep, pricer, max_len)
@@ -62,6 +67,7 @@ def _sglang(system: str, knob: int | None, max_len: int, opts: dict[str, Any],
 
 BUILDERS: dict[str, Callable[..., ForeignSimEngine]] = {
     "vllm-0.34": _vllm,
+    "vllm-0.34-chunked": _vllm,
     "vllm-0.34+hlserve": _vllm,
     "sglang-0.5.23": _sglang,
     "sglang-0.5.23-mixed": _sglang,

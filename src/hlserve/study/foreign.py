@@ -27,7 +27,7 @@ class ForeignSystem:
 
     env_var: str  # names another environment's Python
     env_dir: str  # under ~/.cache/hlserve, as .ci builds it
-    knob: str  # the point's knob, in the study's letters (B: token budget, C: chunk)
+    knob: str  # the point's knob, in the study's letters (B: token budget, C: chunk, C=B)
     what: str
 
     def python(self) -> Path:
@@ -39,6 +39,8 @@ _SGLANG = ("HLSERVE_SGLANG_PYTHON", "venv-sglang-0.5.23")
 FOREIGN: dict[str, ForeignSystem] = {
     "vllm-0.34": ForeignSystem(*_VLLM, "B", "vLLM 0.34's scheduler, an H20 deployment's "
                                "defaults (async, B = 8192, FCFS, chunked prefill)"),
+    "vllm-0.34-chunked": ForeignSystem(*_VLLM, "C=B", "vLLM 0.34 with "
+                                       "--long-prefill-token-threshold C = B (512: Sarathi-style)"),
     "vllm-0.34+hlserve": ForeignSystem(*_VLLM, "B", "vLLM 0.34 with hlserve's "
                                        "ThroughputAsyncScheduler (B at the model length)"),
     "sglang-0.5.23": ForeignSystem(*_SGLANG, "C", "SGLang 0.5.23's scheduler, its defaults "

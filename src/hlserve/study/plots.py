@@ -34,7 +34,7 @@ Groups = dict[tuple[int, int], list[dict[str, Any]]]
 SYSTEM_COLORS = {"sglang": "#1f77b4", "sarathi": "#ff7f0e", "vllm": "#2ca02c",
                  "hlserve": "#d62728", "hlserve ablations": "#9467bd",
                  # the engines' own schedulers (hlserve.study.foreign), paler than the presets
-                 "sglang-0.5.23": "#aec7e8", "sglang-0.5.23-mixed": "#ffbb78",
+                 "sglang-0.5.23": "#aec7e8", "sglang-0.5.23-mixed": "#ffbb78", "vllm-0.34-chunked": "#c49c94",
                  "vllm-0.34": "#98df8a", "vllm-0.34+hlserve": "#ff9896",
                  "sglang-0.5.23+hlserve": "#c5b0d5"}
 SESSION_COLORS = {4: "#1b9e77", 8: "#d95f02", 16: "#7570b3", 32: "#e7298a", 64: "#66a61e",

@@ -49,7 +49,10 @@ def deployment(plugin: bool, max_model_len: int, budget: int | None = None,
     docs/vllm.md says, ``--max-num-batched-tokens`` at the model length (the EMA budget
     sets each step's), the async class."""
     b = budget if budget is not None else (max_model_len if plugin else DEFAULT_BUDGET)
+    # vLLM refuses to start with fewer batched tokens than sequences: a small B comes with
+    # --max-num-seqs at B (no point of the study runs more than 128 sequences)
     return Deployment(max_num_batched_tokens=b, long_prefill_token_threshold=threshold or 0,
+                      max_num_seqs=min(DEFAULT_MAX_SEQS, b),
                       async_scheduling=async_scheduling, plugin=plugin,
                       plugin_options=tuple(sorted((plugin_options or {}).items())))
 
