@@ -6,7 +6,9 @@ stock and with hlserve's plugin, on the same simulated runner, workload and driv
 ``hlserve study --systems vllm-0.34,...``), and writes ``systems.md``:
 
 1. each preset against the scheduler it stands for, per headline cell (the policy side of
-   fidelity, docs/fidelity.md): throughput, TTFT and TPOT p99, and what the steps did;
+   fidelity, docs/fidelity.md): throughput, TTFT and TPOT p99, and what the steps did; and
+   the `sglang` preset after its fix (``docs/study/h20-systems/preset-after``, written by
+   ``benchmarks/preset_after.py``);
 2. throughput per system per cell, with each plugin's gain over its stock engine;
 3. the seed's claims on SGLang's code: throughput mode (the plugin) over stock SGLang and
    over Sarathi-style chunking (SGLang with --enable-mixed-chunk, C = 512), and the vLLM
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "docs" / "study" / "h20" / "points"
 SYSTEMS = ROOT / "docs" / "study" / "h20-systems" / "points"
 OUT = ROOT / "docs" / "study" / "h20-systems" / "systems.md"
+AFTER = ROOT / "docs" / "study" / "h20-systems" / "preset-after"  # benchmarks/preset_after.py
 CELLS = [(c, n) for c in (32768, 65536) for n in (16, 64, 128)]
 # preset key (system_knob) -> the engine's own scheduler it stands for
 PAIRS = (("vllm_8192", "vllm-0.34"), ("sglang_8192", "sglang-0.5.23"))
@@ -88,10 +91,21 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
 
+def after(ctx: int, n: int, preset: str, code_throughput: float) -> str:
+    """The preset after its fix (benchmarks/preset_after.py), against the code; vLLM's preset
+    is not changed."""
+    r = _load(AFTER / f"ctx{ctx}_n{n}_{preset}.json")
+    if r is None:
+        return "unchanged" if preset.startswith("vllm") else "—"
+    t = throughput(r)
+    return f"{_k(t)} ({_pct(t / code_throughput - 1)}), {r['metrics']['retractions']}"
+
+
 def fidelity_rows() -> Iterable[str]:
     yield ("| cell | preset | engine's code | throughput preset / code (diff) | TTFT p99 | "
-           "TPOT p99 | iterations | mixed iterations | preemptions | prefill tokens computed |")
-    yield "|---|---|---|---|---|---|---|---|---|---|"
+           "TPOT p99 | iterations | mixed iterations | preemptions | prefill tokens computed | "
+           "after the fix: throughput (diff), preemptions |")
+    yield "|---|---|---|---|---|---|---|---|---|---|---|"
     for ctx, n in CELLS:
         for preset, real in PAIRS:
             a, b = point(ctx, n, preset), point(ctx, n, real)
@@ -106,7 +120,7 @@ def fidelity_rows() -> Iterable[str]:
                    f"{ma['mixed_iterations']:,} / {mb['mixed_iterations']:,} | "
                    f"{ma['retractions']} / {mb['retractions']} | "
                    f"{ma['prefill_tokens_computed'] / 1e6:.2f}M / "
-                   f"{mb['prefill_tokens_computed'] / 1e6:.2f}M |")
+                   f"{mb['prefill_tokens_computed'] / 1e6:.2f}M | {after(ctx, n, preset, tb)} |")
 
 
 def throughput_rows() -> Iterable[str]:

@@ -106,3 +106,23 @@ def test_systems_tables_agree_with_the_stored_points() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "study_systems.py"), "--check"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("in_full", [False, True])
+def test_sglang_reservation_of_fixed_length_requests(in_full: bool) -> None:
+    """SGLang 0.5.23 reserves a running ignore_eos request's whole remaining output
+    (schedule_policy.py: "fixed-length requests cannot benefit from the early-EOS estimate");
+    ``reserve_fixed_length_in_full`` does, the stored study's preset reserves the
+    new-token ratio of it. A request that may stop early is reserved at the ratio either way."""
+    from hlserve.request import SamplingParams
+    from hlserve.sim.build import build_sim_engine
+
+    engine = build_sim_engine("Qwen2.5-32B", "H20", tp=8, preset="sglang", max_model_len=4096,
+                              reserve_fixed_length_in_full=in_full)
+    engine.add_request(list(range(10, 110)), SamplingParams(max_tokens=1001, ignore_eos=True))
+    engine.add_request(list(range(200, 300)), SamplingParams(max_tokens=1001))
+    engine.step()  # both prefilled: running, one token out each
+    s = engine.scheduler
+    ratio_part = int(1000 * s.new_token_ratio)
+    want = -(-(1000 + ratio_part if in_full else int(2000 * s.new_token_ratio)) // 16)
+    assert s.new_token_ratio < 1.0 and s._reserved_pages() == want

@@ -153,6 +153,10 @@ class EngineConfig:
     # policy parameters
     lpm_fcfs_fallback: int | None = None  # LPM becomes FCFS above this many waiting (SGLang: 128)
     lpm_aging: float = 0.0  # tokens of "virtual prefix" a request earns per iteration it waits
+    # admission=reserve: a running request with ignore_eos reserves its whole remaining output,
+    # not the new-token ratio of it (SGLang 0.5.23: "fixed-length requests cannot benefit from
+    # the early-EOS estimate"); off keeps the stored study's preset (docs/fidelity.md)
+    reserve_fixed_length_in_full: bool = False
     # order=program (policies/order.py:ProgramOrder): a request that has waited this many
     # iterations goes ahead of every class, so a new session is never starved by the next
     # rounds of started ones

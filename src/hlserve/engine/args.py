@@ -88,6 +88,9 @@ ENGINE_FLAGS: dict[str, tuple[list[str], str]] = {
                                   "omitted additionalProperties means false (vLLM's default "
                                   "backend); guidance: JSON Schema's permissive reading"),
     "lpm_fcfs_fallback": (["--lpm-fcfs-fallback"], "LPM falls back to FCFS above this many waiting"),
+    "reserve_fixed_length_in_full": (["--reserve-fixed-length-in-full"], "admission=reserve: "
+                                     "an ignore_eos request's remaining output is reserved in "
+                                     "full (SGLang 0.5.23), not at the new-token ratio"),
     "budget_min": (["--budget-min"], "EMA budget floor"),
     "budget_max": (["--budget-max"], "EMA budget ceiling (default: the KV pool)"),
     "default_request_class": (["--default-request-class"], " | ".join(REQUEST_CLASSES)),

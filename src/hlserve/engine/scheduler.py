@@ -330,11 +330,17 @@ class Scheduler:
                 and lead.first_token_time is None)
 
     def _reserved_pages(self) -> int:
-        """SGLang's reservation: the estimated remaining output of running requests."""
-        tokens = sum(
-            min(r.params.max_tokens - len(r.output_token_ids), 4096) for r in self.running
-        )
-        return self.kv.pages_for(int(tokens * self.new_token_ratio))
+        """SGLang's reservation: the estimated remaining output of running requests (with
+        ``reserve_fixed_length_in_full``, an ignore_eos request's in full, as SGLang 0.5.23)."""
+        full = self.config.reserve_fixed_length_in_full
+        estimated = fixed = 0
+        for r in self.running:
+            left = min(r.params.max_tokens - len(r.output_token_ids), 4096)
+            if full and r.params.ignore_eos:
+                fixed += left
+            else:
+                estimated += left
+        return self.kv.pages_for(int(estimated * self.new_token_ratio) + fixed)
 
     def _add(self, req: Request, n: int, draft: list[int] | None = None) -> None:
         seq = ScheduledSeq(request=req, start=req.num_computed, num_tokens=n,
