@@ -61,6 +61,18 @@ def test_a_missing_environment_is_named_with_how_to_build_it(monkeypatch) -> Non
         run_point(StudySpec(duration=10.0, warmup=0.0), point)
 
 
+def test_the_study_command_names_a_missing_environment_before_running(monkeypatch, tmp_path,
+                                                                    capsys) -> None:
+    from hlserve import cli
+
+    monkeypatch.setenv("HLSERVE_VLLM_0_34_0_PYTHON", "/nonexistent/python")
+    rc = cli.main(["study", "--systems", "vllm-0.34", "--contexts", "32768", "--sessions", "16",
+                   "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "vllm-harness-env 0.34.0" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("points/*.json"))
+
+
 def test_the_engines_systems_are_the_point_runners():
     from hlserve.integrations.sim_point import BUILDERS
 

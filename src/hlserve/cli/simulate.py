@@ -236,6 +236,11 @@ def cmd_study(args: argparse.Namespace) -> None:
     )
     out = Path(args.out)
     if not args.report_only:
+        from hlserve.study.foreign import missing_environments
+
+        missing = missing_environments(spec.systems)
+        if missing:  # before any point runs, not in the middle of the study
+            raise ValueError("; ".join(missing))
         run_study(spec, out, jobs=args.jobs, progress=True, repeats=args.repeats, ray=args.ray)
     paths = report(out, tiers_=tiers)
     if args.report:
