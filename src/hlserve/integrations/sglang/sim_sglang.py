@@ -76,9 +76,7 @@ class SglangSimEngine(ForeignSimEngine):
         self.runner = H.StandInRunner(self.s, self._price)
         if getattr(self.s, "hlserve", None) is not None:
             self.s.hlserve.clock = self.clock  # the EMA budget reads the simulated steps
-        self.live: dict[str, Any] = {}  # rid -> SGLang's Req
-        self._seen: dict[str, int] = {}
-        self._aborted: list[str] = []
+        self._aborted: list[str] = []  # refused at intake, reported at the next step
 
     def kv_pool_tokens(self) -> int:
         return self.s.max_total_num_tokens
@@ -86,8 +84,6 @@ class SglangSimEngine(ForeignSimEngine):
     def submit(self, req: Request) -> None:
         r = H.add_request(self.s, H.Request(req.request_id, tuple(req.prompt_token_ids),
                                             req.params.max_tokens))
-        self.live[req.request_id] = r
-        self._seen[req.request_id] = 0
         if r.to_finish is not None:
             self._aborted.append(req.request_id)
 
@@ -105,7 +101,7 @@ class SglangSimEngine(ForeignSimEngine):
             if id(r) in decoding:
                 out.append((1, len(r.origin_input_ids) + len(r.output_ids) - 1, True))
                 continue
-            if r.rid in self._seen:
+            if r.rid in self.requests:
                 self.admitted(r.rid, int(r.prefix_len), self._now)
             out.append((int(n), int(r.prefix_len), r is not self.s.chunked_req))
         return out
@@ -115,11 +111,9 @@ class SglangSimEngine(ForeignSimEngine):
 
     def step(self) -> list[str]:
         s = self.s
-        done = [rid for rid in self._aborted]
+        done, self._aborted = self._aborted, []
         for rid in done:
             self.ended(rid, self._now, FinishReason.ABORT, "refused by SGLang at intake")
-            self._forget(rid)
-        self._aborted.clear()
         running_before = {r.rid for b in (s.running_batch, s.last_batch) if b is not None
                           for r in b.reqs}
         plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
@@ -130,19 +124,13 @@ class SglangSimEngine(ForeignSimEngine):
         self._now += self.runner.run(batch)
         self.pricer.counters.retractions += sum(1 for r in s.waiting_queue if r.rid in running_before)
         for r in batch.reqs:
-            rid = r.rid
-            seen = self._seen.get(rid)
-            if seen is None:
+            mirror = self.requests.get(r.rid)
+            if mirror is None:
                 continue
+            seen = len(mirror.output_token_ids)
             if len(r.output_ids) > seen:
-                self.emitted(rid, r.output_ids[seen:], self._now)
-                self._seen[rid] = len(r.output_ids)
+                self.emitted(r.rid, r.output_ids[seen:], self._now)
             if r.finished():
-                self.ended(rid, self._now)
-                self._forget(rid)
-                done.append(rid)
+                self.ended(r.rid, self._now)
+                done.append(r.rid)
         return done
-
-    def _forget(self, rid: str) -> None:
-        self.live.pop(rid, None)
-        self._seen.pop(rid, None)

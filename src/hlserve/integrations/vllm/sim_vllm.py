@@ -73,7 +73,6 @@ class VllmSimEngine(ForeignSimEngine):
             options=dict(dep.plugin_options),
             vocab_size=pricer.model_config.vocab_size)
         self.harness = SchedulerHarness(cfg, step_cost=self._price, record_steps=False)
-        self._seen: dict[str, int] = {}  # live request -> output tokens mirrored so far
 
     def kv_pool_tokens(self) -> int:
         return self.harness.usable_blocks() * BLOCK_SIZE
@@ -95,7 +94,6 @@ class VllmSimEngine(ForeignSimEngine):
 
     def submit(self, req: Request) -> None:
         self.harness.add(StreamRequest(req.request_id, req.prompt_token_ids, req.params.max_tokens))
-        self._seen[req.request_id] = 0
 
     def has_unfinished(self) -> bool:
         return self.harness.has_unfinished()
@@ -107,13 +105,12 @@ class VllmSimEngine(ForeignSimEngine):
         if record is not None:
             for rid, cached in record.cached.items():
                 self.admitted(rid, cached, record.time)
-        for rid, seen in self._seen.items():
-            got = h.outputs[rid]
+        for rid, mirror in self.requests.items():  # the requests vLLM still has
+            got, seen = h.outputs[rid], len(mirror.output_token_ids)
             if len(got) > seen:
                 self.emitted(rid, got[seen:], now)
-                self._seen[rid] = len(got)
-        done = [rid for rid in self._seen if rid in h.finished]
+        done = [rid for rid in self.requests if rid in h.finished]
         for rid in done:
             self.ended(rid, h.finished.pop(rid))
-            del self._seen[rid], h.outputs[rid], h.arrived[rid]
+            del h.outputs[rid], h.arrived[rid]
         return done
